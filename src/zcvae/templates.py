@@ -1,0 +1,293 @@
+"""Sequence templates, tokenisation policy and batch collation.
+
+Two templates share one supervised span::
+
+    z-free (the reference, and the backbone's own pretraining format)
+        <bos> <x> {x} </x> <y> {y} </y> <eos>
+    z-conditioned (the decoder; M slot tokens, M = 1 for the discrete latent)
+        <bos> <x> {x} </x> <z> {z_1 .. z_M} </z> <y> {y} </y> <eos>
+
+The supervised span is the y tokens plus ``</y>``. ``<eos>`` is *not* supervised in either template:
+it carries no information about the strategy and leaving it out keeps n_i = len(y) + 1 identical in
+both templates, which the loss core's span alignment relies on.
+
+Over-long examples: x may be truncated from the left (the end of x, next to the answer, is kept);
+y is never truncated: an example whose y cannot fit is skipped with a reason naming its id, and the
+caller logs the count.
+
+Shape legend: B batch, T z-free sequence length, S z-conditioned sequence length, M z-slot tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+X_OPEN, X_CLOSE = "<x>", "</x>"
+Z_OPEN, Z_CLOSE = "<z>", "</z>"
+Y_OPEN, Y_CLOSE = "<y>", "</y>"
+ZNULL = "<znull>"
+MARKERS = (X_OPEN, X_CLOSE, Z_OPEN, Z_CLOSE, Y_OPEN, Y_CLOSE, ZNULL)
+IGNORE_INDEX = -100
+# tokens outside x and y in the z-conditioned template: bos <x> </x> <z> </z> <y> </y> eos
+NUM_FRAME_TOKENS = 8
+
+
+def latent_token(k: int) -> str:
+    """The text of the k-th discrete latent token."""
+    return f"<z_{k}>"
+
+
+@dataclass(frozen=True)
+class TemplateTokens:
+    """Resolved token ids of the template markers for one tokenizer."""
+
+    bos: int
+    eos: int
+    pad: int
+    x_open: int
+    x_close: int
+    z_open: int
+    z_close: int
+    y_open: int
+    y_close: int
+    znull: int
+    latents: tuple[int, ...] = ()
+
+    @property
+    def reserved(self) -> frozenset[int]:
+        """Ids that user text must never produce (bos/eos/pad excluded: some tokenizers share them)."""
+        ids = {self.x_open, self.x_close, self.z_open, self.z_close, self.y_open, self.y_close, self.znull}
+        return frozenset(ids | set(self.latents))
+
+
+def prepare_tokenizer(tokenizer, *, num_latents: int) -> TemplateTokens:
+    """Add the template markers and ``num_latents`` latent tokens as special tokens (idempotent).
+
+    Tokenizers without a pad token get ``<pad>``; without bos/eos get ``<s>``/``</s>``. The caller
+    must resize the model's embeddings to ``len(tokenizer)`` afterwards.
+    """
+    if num_latents < 0:
+        raise ValueError(f"num_latents must be >= 0, got {num_latents}")
+    special = {}
+    if tokenizer.bos_token is None:
+        special["bos_token"] = "<s>"
+    if tokenizer.eos_token is None:
+        special["eos_token"] = "</s>"
+    if tokenizer.pad_token is None:
+        special["pad_token"] = "<pad>"
+    if special:
+        tokenizer.add_special_tokens(special)
+    wanted = list(MARKERS) + [latent_token(k) for k in range(num_latents)]
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in wanted if t not in vocab]
+    if missing:
+        tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+    return template_tokens(tokenizer, num_latents=num_latents)
+
+
+def template_tokens(tokenizer, *, num_latents: int) -> TemplateTokens:
+    """Resolve marker ids without changing the tokenizer; ValueError naming a missing marker."""
+    vocab = tokenizer.get_vocab()
+
+    def tid(text: str) -> int:
+        if text not in vocab:
+            raise ValueError(f"tokenizer has no token {text!r}: call prepare_tokenizer first")
+        return vocab[text]
+
+    for name in ("bos_token", "eos_token", "pad_token"):
+        if getattr(tokenizer, name) is None:
+            raise ValueError(f"tokenizer has no {name}: call prepare_tokenizer first")
+    return TemplateTokens(
+        bos=tokenizer.bos_token_id,
+        eos=tokenizer.eos_token_id,
+        pad=tokenizer.pad_token_id,
+        x_open=tid(X_OPEN),
+        x_close=tid(X_CLOSE),
+        z_open=tid(Z_OPEN),
+        z_close=tid(Z_CLOSE),
+        y_open=tid(Y_OPEN),
+        y_close=tid(Y_CLOSE),
+        znull=tid(ZNULL),
+        latents=tuple(tid(latent_token(k)) for k in range(num_latents)),
+    )
+
+
+@dataclass(frozen=True)
+class EncodedExample:
+    id: str
+    x_ids: tuple[int, ...]
+    y_ids: tuple[int, ...]
+    strategy: str | None = None
+    x_truncated: bool = False
+
+    @property
+    def num_supervised(self) -> int:
+        return len(self.y_ids) + 1  # y tokens plus </y>
+
+
+@dataclass
+class EncodeReport:
+    """What encoding did to a data set: counts that the trainer logs, and one line per skip."""
+
+    num_examples: int = 0
+    num_kept: int = 0
+    num_x_truncated: int = 0
+    num_unknown_tokens: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+
+def encode_examples(
+    examples, tokenizer, tokens: TemplateTokens, *, max_length: int, num_z_slots: int
+) -> tuple[list[EncodedExample], EncodeReport]:
+    """Tokenise examples under the length policy of the module docstring.
+
+    ``max_length`` bounds the z-conditioned sequence (the longer template). Examples with an empty y,
+    with user text that produces a template marker, or whose y cannot fit are skipped; each skip is
+    reported with the example id and the reason.
+    """
+    if max_length <= NUM_FRAME_TOKENS + num_z_slots:
+        raise ValueError(f"max_length={max_length} leaves no room for x and y (num_z_slots={num_z_slots})")
+    report = EncodeReport()
+    out: list[EncodedExample] = []
+    reserved = tokens.reserved
+    unk = getattr(tokenizer, "unk_token_id", None)
+    for ex in examples:
+        report.num_examples += 1
+        x_ids = tokenizer(ex.x, add_special_tokens=False)["input_ids"] if ex.x else []
+        y_ids = tokenizer(ex.y, add_special_tokens=False)["input_ids"] if ex.y else []
+        if not y_ids:
+            report.skipped.append(f"{ex.id}: empty y")
+            continue
+        if reserved.intersection(x_ids) or reserved.intersection(y_ids):
+            report.skipped.append(f"{ex.id}: x or y contains a template marker or latent token")
+            continue
+        if unk is not None:
+            report.num_unknown_tokens += x_ids.count(unk) + y_ids.count(unk)
+        room_x = max_length - NUM_FRAME_TOKENS - num_z_slots - len(y_ids)
+        if room_x < 0:
+            report.skipped.append(
+                f"{ex.id}: y has {len(y_ids)} tokens and cannot fit in max_length={max_length}"
+            )
+            continue
+        truncated = len(x_ids) > room_x
+        if truncated:
+            x_ids = x_ids[len(x_ids) - room_x :] if room_x > 0 else []
+            report.num_x_truncated += 1
+        out.append(EncodedExample(ex.id, tuple(x_ids), tuple(y_ids), ex.strategy, truncated))
+    report.num_kept = len(out)
+    return out, report
+
+
+@dataclass
+class Batch:
+    """A collated, right-padded batch in both templates.
+
+    ``labels`` hold the supervised span (y and </y>) at its own positions and IGNORE_INDEX elsewhere;
+    logits at t predict labels at t + 1 (Hugging Face convention). ``z_*`` is the z-conditioned template
+    with every slot token set to ``<znull>``: the model writes the latent into positions
+    ``z_slot_start[i] .. z_slot_start[i] + M - 1``.
+    """
+
+    ids: list[str]
+    strategies: list[str | None]
+    input_ids: torch.Tensor  # (B, T) z-free
+    attention_mask: torch.Tensor  # (B, T)
+    labels: torch.Tensor  # (B, T)
+    x_close_pos: torch.Tensor  # (B,) index of </x>; the prior reads its hidden state
+    y_close_pos: torch.Tensor  # (B,) index of </y> in the z-free sequence; the posterior reads it
+    z_input_ids: torch.Tensor  # (B, S) z-conditioned
+    z_attention_mask: torch.Tensor  # (B, S)
+    z_labels: torch.Tensor  # (B, S)
+    z_slot_start: torch.Tensor  # (B,) index of the first slot token
+    num_supervised: torch.Tensor  # (B,) n_i = len(y) + 1
+    num_z_slots: int = 1
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def to(self, device) -> "Batch":
+        moved = {
+            f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name))
+            for f in fields(self)
+        }
+        return Batch(**moved)
+
+    def select(self, index: list[int]) -> "Batch":
+        """A sub-batch (rows ``index``), trimmed of all-padding columns."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        t = int(self.attention_mask[idx].sum(1).max()) if len(index) else 1
+        s = int(self.z_attention_mask[idx].sum(1).max()) if len(index) else 1
+        return Batch(
+            ids=[self.ids[i] for i in index],
+            strategies=[self.strategies[i] for i in index],
+            input_ids=self.input_ids[idx, :t],
+            attention_mask=self.attention_mask[idx, :t],
+            labels=self.labels[idx, :t],
+            x_close_pos=self.x_close_pos[idx],
+            y_close_pos=self.y_close_pos[idx],
+            z_input_ids=self.z_input_ids[idx, :s],
+            z_attention_mask=self.z_attention_mask[idx, :s],
+            z_labels=self.z_labels[idx, :s],
+            z_slot_start=self.z_slot_start[idx],
+            num_supervised=self.num_supervised[idx],
+            num_z_slots=self.num_z_slots,
+        )
+
+
+def zfree_sequence(ex: EncodedExample, tokens: TemplateTokens) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of the z-free template."""
+    prefix = [tokens.bos, tokens.x_open, *ex.x_ids, tokens.x_close, tokens.y_open]
+    span = [*ex.y_ids, tokens.y_close]
+    ids = prefix + span + [tokens.eos]
+    labels = [IGNORE_INDEX] * len(prefix) + span + [IGNORE_INDEX]
+    return ids, labels
+
+
+def zcond_sequence(
+    ex: EncodedExample, tokens: TemplateTokens, slot_ids: list[int]
+) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of the z-conditioned template with ``slot_ids`` in the z section."""
+    prefix = [tokens.bos, tokens.x_open, *ex.x_ids, tokens.x_close, tokens.z_open, *slot_ids, tokens.z_close, tokens.y_open]
+    span = [*ex.y_ids, tokens.y_close]
+    ids = prefix + span + [tokens.eos]
+    labels = [IGNORE_INDEX] * len(prefix) + span + [IGNORE_INDEX]
+    return ids, labels
+
+
+def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def collate(examples: list[EncodedExample], tokens: TemplateTokens, *, num_z_slots: int = 1) -> Batch:
+    """Right-pad a list of encoded examples into a :class:`Batch` (both templates)."""
+    if not examples:
+        raise ValueError("collate needs at least one example")
+    zf = [zfree_sequence(ex, tokens) for ex in examples]
+    zc = [zcond_sequence(ex, tokens, [tokens.znull] * num_z_slots) for ex in examples]
+    input_ids = _pad([ids for ids, _ in zf], tokens.pad)
+    z_input_ids = _pad([ids for ids, _ in zc], tokens.pad)
+    x_len = torch.tensor([len(ex.x_ids) for ex in examples], dtype=torch.long)
+    n = torch.tensor([ex.num_supervised for ex in examples], dtype=torch.long)
+    return Batch(
+        ids=[ex.id for ex in examples],
+        strategies=[ex.strategy for ex in examples],
+        input_ids=input_ids,
+        attention_mask=_pad([[1] * len(ids) for ids, _ in zf], 0),
+        labels=_pad([lab for _, lab in zf], IGNORE_INDEX),
+        x_close_pos=x_len + 2,
+        # bos <x> x </x> <y> y </y>: </y> sits at len(x) + 4 + len(y) = len(x) + 3 + n
+        y_close_pos=x_len + 3 + n,
+        z_input_ids=z_input_ids,
+        z_attention_mask=_pad([[1] * len(ids) for ids, _ in zc], 0),
+        z_labels=_pad([lab for _, lab in zc], IGNORE_INDEX),
+        z_slot_start=x_len + 4,
+        num_supervised=n,
+        num_z_slots=num_z_slots,
+    )
