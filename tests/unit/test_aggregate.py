@@ -197,3 +197,15 @@ def test_non_finite_metric_is_shown_not_hidden(tmp_path):
     run = write_run(tmp_path, "nan", records=history({"nmi": math.nan}))
     (row,) = aggregate_runs([run], metrics=["nmi"])
     assert "nan" in format_table([row])
+
+
+def test_seed_grouping_with_project_run_names(tmp_path):
+    # zcvae.naming writes names like "agg-sum_dist-1_beta-3_seed-2"; a seed equal to another number
+    # in the name (beta-1, seed-1) must still group.
+    runs = [
+        write_run(tmp_path, f"s{s}", records=history({"nmi": 1.0}), seed=s,
+                  run_name=f"agg-mean_dist-1_beta-1_seed-{s}", output_dir=f"runs/agg-mean_dist-1_beta-1_seed-{s}")
+        for s in (1, 2)
+    ]
+    (row,) = aggregate_runs(runs)
+    assert row["n"] == 2 and row["name"] == "agg-mean_dist-1_beta-1"
