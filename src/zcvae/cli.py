@@ -1,0 +1,153 @@
+"""The ``zcvae`` command: demo, pretrain, train, evaluate, aggregate, export, generate, encode.
+
+Every :class:`~zcvae.config.TrainConfig` field is a ``zcvae train`` flag in kebab case; a YAML/JSON file
+given with ``--config`` sets fields too, and flags on the command line win over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from typing import Any
+
+from zcvae.config import TrainConfig, load_config_file
+
+
+def _base_type(tp) -> tuple[Any, bool]:
+    """(scalar type, is_list) of a field annotation such as ``float | None`` or ``list[str] | None``."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        tp = args[0]
+    if typing.get_origin(tp) is list:
+        return typing.get_args(tp)[0], True
+    return tp, False
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
+    """One flag per dataclass field; defaults are SUPPRESSed so we can tell what the user set."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        scalar, is_list = _base_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        if scalar is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if is_list:
+            kw["nargs"] = "+"
+        if f.metadata.get("choices"):
+            kw["choices"] = list(f.metadata["choices"])
+        parser.add_argument(flag, type=scalar, **kw)
+
+
+def resolve_train_config(args: argparse.Namespace, cls=TrainConfig):
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_config_file(args.config))
+    field_names = {f.name for f in dataclasses.fields(cls)}
+    values.update({k: v for k, v in vars(args).items() if k in field_names})
+    return cls.from_dict(values, source=args.config or "command line")
+
+
+def _cmd_train(args) -> int:
+    from zcvae.trainer import train
+
+    cfg = resolve_train_config(args)
+    train(cfg)
+    return 0
+
+
+def _cmd_pretrain(args) -> int:
+    from zcvae.backbone import PretrainConfig, pretrain
+
+    values = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(PretrainConfig)}}
+    if getattr(args, "config", None):
+        values = {**load_config_file(args.config), **values}
+    pretrain(PretrainConfig.from_dict(values))
+    return 0
+
+
+def _cmd_evaluate(args) -> int:
+    from zcvae.evaluation import evaluate_run
+
+    metrics = evaluate_run(args.run_dir, output=args.output)
+    for name in sorted(metrics):
+        value = metrics[name]
+        if isinstance(value, float):
+            print(f"{name}: {value:.4f}")
+    return 0
+
+
+def _cmd_aggregate(argv) -> int:
+    from zcvae.aggregate import main as aggregate_main
+
+    return aggregate_main(argv)
+
+
+def _cmd_demo(args) -> int:
+    from zcvae.demo import run_demo
+
+    run_demo(output_dir=args.output_dir, quick=args.quick, seeds=args.seeds)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zcvae", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="Train a CVAE run.", description="Train a CVAE run. Every flag is a config field.")
+    p.add_argument("--config", help="YAML or JSON file of config fields (flags win over it).")
+    add_config_flags(p)
+    p.set_defaults(func=_cmd_train)
+
+    from zcvae.backbone import PretrainConfig
+
+    p = sub.add_parser("pretrain", help="Pretrain the entangled tiny backbone on a synthetic task or JSONL data.")
+    p.add_argument("--config", help="YAML or JSON file of pretraining fields.")
+    add_config_flags(p, PretrainConfig)
+    p.set_defaults(func=_cmd_pretrain)
+
+    p = sub.add_parser("evaluate", help="Evaluate a finished run directory.")
+    p.add_argument("run_dir")
+    p.add_argument("--output", help="Write the metrics as JSON here (default: RUN_DIR/eval_metrics.json).")
+    p.set_defaults(func=_cmd_evaluate)
+
+    sub.add_parser("aggregate", help="Table of final metrics over run directories (see `zcvae aggregate --help`).", add_help=False)
+
+    p = sub.add_parser("demo", help="The whole pipeline on the built-in default: backbone, the seed-001 pilot, the table.")
+    p.add_argument("--output-dir", default="runs/demo")
+    p.add_argument("--quick", action="store_true", help="A few steps per run, for tests.")
+    p.add_argument("--seeds", type=int, default=1, help="Seeds per configuration.")
+    p.set_defaults(func=_cmd_demo)
+
+    for name, help_text in (("export", "Export a run's LoRA adapter and latent heads."), ("generate", "Decode y for x with a chosen z."), ("encode", "Print q(z|x,y) and p(z|x).")):
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # subcommands with their own argument parsers
+    if argv and argv[0] == "aggregate":
+        return _cmd_aggregate(argv[1:])
+    if argv and argv[0] in ("export", "generate", "encode"):
+        from zcvae import inference
+
+        return getattr(inference, f"{argv[0]}_main")(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        # user errors: one clear line, no traceback; everything already written stays
+        print(f"zcvae {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

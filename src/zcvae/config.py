@@ -1,0 +1,273 @@
+"""The resolved training configuration: one flat dataclass, the single source of every CLI flag.
+
+Every field can be set in a YAML/JSON config file and by a CLI flag named after the field in kebab
+case (``token_weight_alpha`` -> ``--token-weight-alpha``). The flat layout keeps the run name, the
+sweep helper and the aggregate tables working on one plain dict; the typed sub-configs the library
+needs (:class:`~zcvae.losses.ReconstructionLossConfig`, :class:`~zcvae.model.ModelConfig`,
+:class:`~zcvae.engines.EngineConfig`) are built from it in one place.
+
+Defaults start from what a CPU prototype of this CVAE measured (shared/notes/cvae-training-findings.md):
+LoRA lr 1e-3, z rows and routers 1e-2, no weight decay, clipping at 1.0, and a KL weight held at 0 for
+the first 30% of steps then ramped over 20% (a constant beta from step 0 collapsed every objective).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # ---- data
+    task: str | None = _f(None, "Built-in synthetic task family (the default task when neither --task nor --train-data is given).")
+    train_data: str | None = _f(None, "JSONL file with fields id, x, y and optional strategy (instead of --task).")
+    val_data: str | None = _f(None, "Validation JSONL file (required with --train-data).")
+    num_train_examples: int = _f(4000, "Training examples generated for a built-in task.")
+    num_val_examples: int = _f(400, "Validation examples generated for a built-in task.")
+    max_length: int = _f(64, "Maximum z-conditioned sequence length; x is truncated from the left, an example whose y cannot fit is skipped and counted.")
+    # ---- backbone and latent
+    backbone: str | None = _f(None, "Local Hugging Face checkpoint directory of the causal LM (built-in tiny backbone pretrained on the task when omitted).")
+    trust_remote_code: bool = _f(False, "Allow the backbone's own modelling code to run (off unless you trust the checkpoint).")
+    latent_type: str = _f("discrete", "discrete (K learned z tokens, exact expectation) or continuous (Gaussian soft prompt).", choices=("discrete", "continuous"))
+    num_latents: int = _f(2, "K, the number of discrete latent values.")
+    latent_dim: int = _f(16, "Dimension of the Gaussian latent.")
+    num_z_slots: int = _f(1, "M, soft-prompt embeddings filling the <z> section (Gaussian).")
+    num_latent_samples: int = _f(1, "S, reparameterised posterior samples per example (Gaussian).")
+    learned_prior: bool = _f(True, "Gaussian: learned prior p(z|x) instead of a standard normal.")
+    lora_r: int = _f(8, "LoRA rank.")
+    lora_alpha: int = _f(16, "LoRA alpha.")
+    lora_dropout: float = _f(0.0, "LoRA dropout.")
+    lora_target_modules: list[str] | None = _f(None, "Module names that get LoRA adapters (per-architecture default when omitted).")
+    branch_chunk_size: int | None = _f(None, "Rows of the B*K branch forward per chunk, bounding activation memory (all at once when omitted).")
+    z_init_noise: float = _f(0.1, "z rows start as the <znull> row plus this times the row norm of noise.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass.")
+    # ---- reconstruction (seed 003, 001)
+    reconstruction_loss_token_aggregation_mode: str = _f("mean", "Per-example token aggregation of every reconstruction term: mean or sum (then an example mean).", choices=("mean", "sum"))
+    reconstruction_weight: float = _f(1.0, "Weight of reconstruction_loss (raw).")
+    distribution_normalized_reconstruction_weight: float = _f(0.0, "Weight of distribution_normalized_reconstruction_loss.")
+    example_inverse_surprisal_weighted_reconstruction_weight: float = _f(0.0, "Weight of example_inverse_surprisal_weighted_reconstruction_loss.")
+    token_weighted_reconstruction_weight: float = _f(0.0, "Weight of token_weighted_reconstruction_loss.")
+    normalized_concentration_corrected_token_weighted_reconstruction_weight: float = _f(0.0, "Weight of normalized_concentration_corrected_token_weighted_reconstruction_loss.")
+    normalized_inverse_surprisal_token_weighted_reconstruction_weight: float = _f(0.0, "Weight of normalized_inverse_surprisal_token_weighted_reconstruction_loss.")
+    token_weight_alpha: float = _f(1.0, "Temperature alpha of the surprisal-share token weights (0 = uniform).")
+    example_inverse_surprisal_epsilon: float = _f(1e-2, "Epsilon of the example-level inverse-surprisal ratio, in units of the aggregation mode.")
+    inverse_surprisal_token_weight_epsilon: float = _f(1e-2, "Epsilon of the inverse-surprisal token weights (nats).")
+    zfree_reference_scale: float | None = _f(None, "Fixed c_base; when omitted it is the validation mean of A_mode(b_i) in the selected mode.")
+    reference_policy: str = _f("auto", "z-free reference: online (a forward per batch), precomputed (a store), auto (precomputed when data is seen more than once).", choices=("auto", "online", "precomputed"))
+    reference_cache_dir: str | None = _f(None, "Directory of precomputed reference stores (default ~/.cache/zcvae/reference).")
+    # ---- KL and auxiliaries (seed 001 names)
+    kl_weight: float = _f(1.0, "beta, the final weight of KL(q || p).")
+    kl_schedule: str = _f("delay-ramp", "constant, delay-ramp (0 for kl-delay-fraction, then linear over kl-ramp-fraction) or cyclical.", choices=("constant", "delay-ramp", "cyclical"))
+    kl_delay_fraction: float = _f(0.3, "Fraction of steps (per cycle) with beta = 0.")
+    kl_ramp_fraction: float = _f(0.2, "Fraction of steps (per cycle) over which beta ramps to kl-weight.")
+    kl_cycles: int = _f(4, "Number of cycles of the cyclical schedule.")
+    posterior_entropy_weight: float = _f(0.0, "Weight of the mean posterior entropy H(q) (positive sharpens q).")
+    router_support_weight: float = _f(0.0, "Weight of -log router support = -H(mean q) (positive spreads usage).")
+    router_marginal_kl_weight: float = _f(0.0, "Weight of KL(mean q || uniform) over the global batch.")
+    inter_latent_divergence_weight: float = _f(0.0, "Weight of -inter_latent_divergence (positive pushes latents apart).")
+    posterior_variance_weight: float = _f(0.0, "Gaussian: weight of the posterior variance term.")
+    # ---- optimisation
+    max_steps: int = _f(300, "Optimizer steps.")
+    micro_batch_size: int = _f(16, "Examples per rank per micro-batch.")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
+    lora_learning_rate: float = _f(1e-3, "Peak learning rate of the LoRA adapters.")
+    latent_learning_rate: float = _f(1e-2, "Peak learning rate of the z rows and router/prior/projection heads.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    max_grad_norm: float | None = _f(1.0, "Gradient clipping norm (none when omitted).")
+    warmup_steps: int = _f(10, "Linear learning-rate warm-up steps.")
+    min_lr_ratio: float = _f(0.1, "Cosine decay floor as a fraction of the peak learning rate.")
+    seed: int = _f(0, "Seed of data order, initialisation and sampling.")
+    # ---- engine
+    engine: str = _f("local", "local (DDP when launched with several processes), deepspeed or fsdp2.", choices=("local", "deepspeed", "fsdp2"))
+    deepspeed_config: str | None = _f(None, "DeepSpeed JSON config (ds_configs/zero2.json when omitted).")
+    precision: str = _f("fp32", "fp32 or bf16.", choices=("fp32", "bf16"))
+    cpu_offload: bool = _f(False, "Offload optimizer state (and ZeRO-3 parameters) to CPU.")
+    # ---- run, logging, evaluation, checkpoints
+    output_dir: str = _f("runs/zcvae", "Run directory (created).")
+    run_name: str | None = _f(None, "Run name (derived from the parameters that differ from the defaults when omitted).")
+    log_every: int = _f(10, "Log train metrics every N steps.")
+    eval_every: int = _f(0, "Evaluate every N steps (0: only at the end).")
+    num_eval_decode_examples: int = _f(64, "Validation x decoded with each latent for controllability.")
+    max_new_tokens: int | None = _f(None, "Greedy decoding length (the longest validation y + 2 when omitted).")
+    progress_bar: bool = _f(True, "Show a progress bar on rank 0.")
+    save_every: int = _f(0, "Save a resumable checkpoint every N steps (0: only at the end).")
+    keep_last_checkpoints: int = _f(2, "Resumable checkpoints kept.")
+    resume: str | None = _f(None, "Resume from a checkpoint directory, or 'auto' for the newest complete one in the run directory.")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # -- construction
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, source: str = "config") -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown config key(s) {unknown}; see `zcvae train --help`")
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "TrainConfig":
+        return cls.from_dict(load_config_file(path), source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -- derived sub-configs
+    def reconstruction_config(self):
+        from zcvae.losses import ReconstructionLossConfig
+
+        return ReconstructionLossConfig(
+            raw_weight=self.reconstruction_weight,
+            distribution_normalized_weight=self.distribution_normalized_reconstruction_weight,
+            example_inverse_surprisal_weight=self.example_inverse_surprisal_weighted_reconstruction_weight,
+            token_weighted_weight=self.token_weighted_reconstruction_weight,
+            normalized_concentration_corrected_token_weighted_weight=self.normalized_concentration_corrected_token_weighted_reconstruction_weight,
+            normalized_inverse_surprisal_token_weighted_weight=self.normalized_inverse_surprisal_token_weighted_reconstruction_weight,
+            token_weight_alpha=self.token_weight_alpha,
+            example_inverse_surprisal_epsilon=self.example_inverse_surprisal_epsilon,
+            inverse_surprisal_token_weight_epsilon=self.inverse_surprisal_token_weight_epsilon,
+            zfree_reference_scale=self.zfree_reference_scale,
+            token_aggregation_mode=self.reconstruction_loss_token_aggregation_mode,
+        )
+
+    def model_config(self):
+        from zcvae.model import ModelConfig
+
+        return ModelConfig(
+            latent_type=self.latent_type,
+            num_latents=self.num_latents,
+            latent_dim=self.latent_dim,
+            num_z_slots=self.num_z_slots,
+            num_latent_samples=self.num_latent_samples,
+            learned_prior=self.learned_prior,
+            lora_r=self.lora_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            lora_target_modules=self.lora_target_modules,
+            branch_chunk_size=self.branch_chunk_size,
+            z_init_noise=self.z_init_noise,
+            gradient_checkpointing=self.gradient_checkpointing,
+            trust_remote_code=self.trust_remote_code,
+        )
+
+    def engine_config(self):
+        from zcvae.engines import EngineConfig
+
+        return EngineConfig(
+            engine=self.engine,
+            deepspeed_config=self.deepspeed_config,
+            precision=self.precision,
+            gradient_checkpointing=self.gradient_checkpointing,
+            cpu_offload=self.cpu_offload,
+        )
+
+    @property
+    def slot_tokens(self) -> int:
+        return 1 if self.latent_type == "discrete" else self.num_z_slots
+
+
+RECONSTRUCTION_WEIGHT_FIELDS = (
+    "reconstruction_weight",
+    "distribution_normalized_reconstruction_weight",
+    "example_inverse_surprisal_weighted_reconstruction_weight",
+    "token_weighted_reconstruction_weight",
+    "normalized_concentration_corrected_token_weighted_reconstruction_weight",
+    "normalized_inverse_surprisal_token_weighted_reconstruction_weight",
+)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field rules in one place; ValueError names the field."""
+    for f in dataclasses.fields(cfg):
+        choices = f.metadata.get("choices")
+        value = getattr(cfg, f.name)
+        if choices and value not in choices:
+            raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be finite, got {value!r}")
+    positive = ("num_latents", "latent_dim", "num_z_slots", "num_latent_samples", "lora_r", "max_steps",
+                "micro_batch_size", "gradient_accumulation_steps", "num_train_examples", "num_val_examples",
+                "log_every", "keep_last_checkpoints")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    nonneg = ("kl_weight", "weight_decay", "warmup_steps", "eval_every", "save_every", "token_weight_alpha",
+              "posterior_entropy_weight", "router_marginal_kl_weight", "lora_dropout", "z_init_noise",
+              "num_eval_decode_examples") + RECONSTRUCTION_WEIGHT_FIELDS
+    for name in nonneg:
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    if not any(getattr(cfg, name) > 0 for name in RECONSTRUCTION_WEIGHT_FIELDS):
+        raise ValueError("at least one reconstruction weight must be > 0 (e.g. reconstruction_weight)")
+    if cfg.latent_type == "discrete" and cfg.num_latents < 2:
+        # K = 1 is a valid model (no latent information) and is used by the benchmarks
+        pass
+    if cfg.train_data is not None and cfg.task is not None:
+        raise ValueError("give either task or train_data, not both")
+    if (cfg.train_data is None) != (cfg.val_data is None):
+        raise ValueError("train_data and val_data go together")
+    for name in ("lora_learning_rate", "latent_learning_rate"):
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if not (0 <= cfg.kl_delay_fraction and 0 <= cfg.kl_ramp_fraction and cfg.kl_delay_fraction + cfg.kl_ramp_fraction <= 1):
+        raise ValueError("kl_delay_fraction and kl_ramp_fraction must be >= 0 and sum to at most 1")
+    if cfg.zfree_reference_scale is not None and cfg.zfree_reference_scale <= 0:
+        raise ValueError(f"zfree_reference_scale must be > 0, got {cfg.zfree_reference_scale}")
+    if cfg.max_grad_norm is not None and cfg.max_grad_norm <= 0:
+        raise ValueError(f"max_grad_norm must be > 0 or omitted, got {cfg.max_grad_norm}")
+    if cfg.max_length < 16:
+        raise ValueError(f"max_length must be >= 16, got {cfg.max_length}")
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict; keys may use dashes or underscores."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as err:  # noqa: BLE001 - re-raised with the file name
+        raise ValueError(f"config file {path} could not be parsed: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of field names to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def kl_weight_at(cfg: TrainConfig, step: int) -> float:
+    """beta at optimizer step ``step`` (0-based) under the configured schedule."""
+    if cfg.kl_schedule == "constant":
+        return cfg.kl_weight
+    period = cfg.max_steps if cfg.kl_schedule == "delay-ramp" else max(1, cfg.max_steps // cfg.kl_cycles)
+    frac = (step % period) / period if cfg.kl_schedule == "cyclical" else step / period
+    if frac < cfg.kl_delay_fraction:
+        return 0.0
+    if cfg.kl_ramp_fraction == 0:
+        return cfg.kl_weight
+    return cfg.kl_weight * min(1.0, (frac - cfg.kl_delay_fraction) / cfg.kl_ramp_fraction)
+
+
+def lr_factor_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up then cosine decay to ``min_lr_ratio`` of the peak."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine

@@ -1,0 +1,103 @@
+"""The training objective J, composed from the model's outputs (pure tensor functions).
+
+J = sum_j lambda_j L_j (the six reconstruction terms)  +  beta KL(q || p)  +  weighted auxiliaries.
+
+Per-example parts are returned as ``[B]`` tensors; the trainer turns them into ``local_sum /
+global_count`` so that the objective is the example mean over the global batch on every engine.
+The router's batch-level terms (marginal KL, support) need the marginal of q over the global batch and
+are formed by :func:`marginal_router_terms` from an all-reduced sum the trainer supplies.
+
+Shape legend: B examples, K latent branches (Gaussian: samples), N supervised positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zcvae.latent import marginal_kl_to_uniform
+from zcvae.losses import reconstruction_terms, weighted_reconstruction
+
+
+@dataclass(frozen=True)
+class AuxiliaryWeights:
+    """Weights of the auxiliary terms (seed 001 names); the sign convention is in each docstring."""
+
+    posterior_entropy: float = 0.0  # + w * H(q): positive sharpens the posterior
+    router_support: float = 0.0  # - w * H(mean q) = - w log support: positive spreads latent usage
+    router_marginal_kl: float = 0.0  # + w * KL(mean q || U)
+    inter_latent_divergence: float = 0.0  # - w * divergence: positive pushes the latents' decoders apart
+    posterior_variance: float = 0.0  # + w * posterior variance term (Gaussian)
+
+    @classmethod
+    def from_train_config(cls, cfg) -> "AuxiliaryWeights":
+        return cls(
+            posterior_entropy=cfg.posterior_entropy_weight,
+            router_support=cfg.router_support_weight,
+            router_marginal_kl=cfg.router_marginal_kl_weight,
+            inter_latent_divergence=cfg.inter_latent_divergence_weight,
+            posterior_variance=cfg.posterior_variance_weight,
+        )
+
+
+def per_example_objective(
+    out, *, ref_nll_BN: torch.Tensor, c_base, recon_config, kl_weight: float, aux: AuxiliaryWeights
+) -> dict[str, torch.Tensor]:
+    """Every per-example term and diagnostic, plus ``loss`` (the per-example part of J), each ``[B]``.
+
+    All six reconstruction terms and every diagnostic are returned whatever their weights (seed 003).
+    """
+    terms = reconstruction_terms(
+        token_nll=out.token_nll,
+        posterior=out.branch_weights,
+        ref_nll=ref_nll_BN,
+        mask=out.mask,
+        c_base=c_base,
+        config=recon_config,
+    )
+    recon_B = weighted_reconstruction(terms, recon_config)
+    zero_B = torch.zeros_like(recon_B)
+    entropy_B = _maybe(out, "posterior_entropy", zero_B)
+    divergence_B = _maybe(out, "inter_latent_divergence", zero_B)
+    variance_B = _maybe(out, "posterior_variance", zero_B)
+    kl_B = out.kl.float()
+    loss_B = (
+        recon_B
+        + kl_weight * kl_B
+        + aux.posterior_entropy * entropy_B
+        - aux.inter_latent_divergence * divergence_B
+        + aux.posterior_variance * variance_B
+    )
+    valid_B = terms["valid"]
+    terms.update(
+        loss=loss_B * valid_B,
+        weighted_reconstruction_loss=recon_B,
+        kl=kl_B * valid_B,
+        posterior_entropy=entropy_B * valid_B,
+        inter_latent_divergence=divergence_B * valid_B,
+    )
+    if getattr(out, "posterior_variance", None) is not None:
+        terms["posterior_variance"] = variance_B * valid_B
+    return terms
+
+
+def marginal_router_terms(
+    *, local_sum_q_K: torch.Tensor, global_sum_q_K: torch.Tensor, global_count: torch.Tensor, aux: AuxiliaryWeights
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Batch-level router terms on the marginal of q over the global (all ranks) micro-batch.
+
+    ``global_sum_q_K`` is the all-reduced, detached sum of q; the local contribution is swapped back in
+    so that gradients flow through this rank's q only, and the engine's sum over ranks then yields the
+    gradient of the global term. Returns (the term to add to this rank's loss, detached metrics).
+    """
+    mean_q_K = (global_sum_q_K - local_sum_q_K.detach() + local_sum_q_K) / global_count.clamp_min(1)
+    marginal_kl = marginal_kl_to_uniform(mean_q_K)
+    entropy = -(mean_q_K.clamp_min(1e-12).log() * mean_q_K).sum()
+    term = aux.router_marginal_kl * marginal_kl - aux.router_support * entropy
+    return term, {"router_marginal_kl": marginal_kl.detach(), "router_support": entropy.detach().exp()}
+
+
+def _maybe(out, name: str, default: torch.Tensor) -> torch.Tensor:
+    value = getattr(out, name, None)
+    return default if value is None else value.float()
