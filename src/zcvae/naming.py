@@ -16,10 +16,10 @@ Values are written losslessly and read back with the type of the default value:
 - ``bool`` -> ``true`` / ``false``; ``int`` -> decimal; ``None`` -> ``None``;
 - ``float`` -> the shortest text that parses back to the same float (``repr``; integral floats below 1e16 as
   ``3``; the exponent's ``+`` dropped: ``1e20``; ``-0`` keeps its sign; ``inf``, ``-inf``, ``nan``);
-- ``str`` only if it matches ``[A-Za-z0-9.]+``.
+- ``str`` only if it matches ``[A-Za-z0-9.]+`` and reads back as the same string.
 
-Values that cannot be written this way (paths and other strings with ``/``, ``_``, ``-`` or spaces; lists;
-dicts) are *hashed*: they do not appear one by one, but a single ``hash-<10 hex>`` part (before ``seed``)
+Values that cannot be written this way (paths and other strings with ``/``, ``_``, ``-`` or spaces; strings
+such as ``"123"`` or ``"inf"`` for a field whose default is not a string; lists; dicts) are *hashed*: they do not appear one by one, but a single ``hash-<10 hex>`` part (before ``seed``)
 digests all of them, so two runs that differ only in, say, the backbone path still get different names.
 :func:`parse_run_name` cannot recover hashed fields: they come back as their defaults.
 
@@ -32,9 +32,9 @@ parsed: :func:`parse_run_name` raises ``ValueError``; read the parameters from t
 
 Parsing types: a field whose default is ``None``, or that is missing from the defaults, has no type to go
 by: its value parses as ``None`` (``None``), ``bool`` (``true``/``false``), ``int`` (decimal digits),
-``float`` (anything ``float()`` accepts) or else ``str``, in that order. :func:`run_name` refuses
-(``ValueError`` naming the field) any value that would not parse back equal to itself, e.g. the string
-``"123"`` for a field with a ``None`` default, or ``2.5`` for an ``int`` field.
+``float`` (anything ``float()`` accepts) or else ``str``, in that order. A string that would read back as
+something else is hashed (above); any other value that would not read back equal to itself is refused with a
+``ValueError`` naming the field, e.g. ``2.5`` for an ``int`` field or ``1`` for a ``bool`` field.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ ABBREVIATIONS: dict[str, str] = {
     "example_inverse_surprisal_epsilon": "exeps",
     "inverse_surprisal_token_weight_epsilon": "tokinveps",
     "kl_weight": "beta",
-    "learning_rate": "lr",
+    "lora_learning_rate": "lr",
+    "latent_learning_rate": "zlr",
+    "lora_r": "r",
     "max_steps": "steps",
     "micro_batch_size": "mbs",
     "gradient_accumulation_steps": "gas",
@@ -86,15 +88,17 @@ ABBREVIATIONS: dict[str, str] = {
 _LAST_FIELDS = ("seed",)
 HASH_KEY = "hash"
 
+# Where a run writes and how it reports progress, not what it trains.
 DEFAULT_EXCLUDE: tuple[str, ...] = (
     "output_dir",
     "run_name",
     "config",
-    "log_dir",
-    "logging_dir",
-    "tensorboard_dir",
-    "resume_from",
-    "resume_from_checkpoint",
+    "resume",
+    "reference_cache_dir",
+    "progress_bar",
+    "log_every",
+    "save_every",
+    "keep_last_checkpoints",
 )
 MAX_NAME_LEN = 180
 _TRUNCATION_MARK = "__"
@@ -206,13 +210,13 @@ def _split(
         if field == HASH_KEY or (field in _FIELD_FOR_KEY and _FIELD_FOR_KEY[field] != field):
             raise ValueError(f"{field}: clashes with a reserved run-name key; rename the field")
         text = format_value(value)
-        if text is None:
-            hashed[field] = value
-            continue
         try:
-            back = parse_value(text, defaults.get(field))
+            back = _UNREADABLE if text is None else parse_value(text, defaults.get(field))
         except ValueError:
             back = _UNREADABLE
+        if text is None or (isinstance(value, str) and back != value):
+            hashed[field] = value  # a path, or text that would read back as another type ("123", "inf")
+            continue
         if not (_same(back, value) or (isinstance(value, float) and math.isnan(value) and back != back)):
             raise ValueError(
                 f"{field}: value {value!r} would read back from a run name as {back!r} "
