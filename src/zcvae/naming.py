@@ -19,8 +19,9 @@ Values are written losslessly and read back with the type of the default value:
 - ``str`` only if it matches ``[A-Za-z0-9.]+`` and reads back as the same string.
 
 Values that cannot be written this way (paths and other strings with ``/``, ``_``, ``-`` or spaces; strings
-such as ``"123"`` or ``"inf"`` for a field whose default is not a string; lists; dicts) are *hashed*: they do not appear one by one, but a single ``hash-<10 hex>`` part (before ``seed``)
-digests all of them, so two runs that differ only in, say, the backbone path still get different names.
+such as ``"123"`` or ``"inf"`` for a field whose default is not a string; lists; dicts) are *hashed*: they do
+not appear one by one, but a single ``hash-<10 hex>`` part (before ``seed``) digests all of them, so two runs
+that differ only in, say, the backbone path still get different names.
 :func:`parse_run_name` cannot recover hashed fields: they come back as their defaults.
 
 Fields in ``exclude`` (output locations and other bookkeeping) never influence the name.

@@ -12,10 +12,12 @@ A family file (YAML or JSON) holds::
 
 Each run's params are ``base`` overlaid with one grid/zip assignment, plus ``slurm.engine`` as ``engine``,
 ``run_name`` (so the trainer records the sweep's name, not one derived against other defaults) and a per-run
-``output_dir`` = ``<base output_dir, else the defaults', else runs>/<run_name>``. The aggregation mode is always written into the params explicitly, even when the
-family leaves it at its default (seed 001: the mode must be explicit in slurm params, run names and tables).
+``output_dir`` = ``<base output_dir, else the defaults', else runs>/<run_name>``. The aggregation mode is
+always written into the params explicitly, even when the family leaves it at its default (seed 001: the mode
+must be explicit in slurm params, run names and tables).
 
-Names come from :func:`zcvae.naming.run_name` against a defaults dict whose source is explicit
+Names come from :func:`zcvae.naming.run_name` (with every grid and zip field always named, so the names of
+one family have one shape) against a defaults dict whose source is explicit
 (:func:`resolve_defaults`): ``config`` = ``dataclasses.asdict(zcvae.config.TrainConfig())``; ``base`` = the
 family's own ``base`` (so names show only what the grid varies); ``auto`` = ``config`` if importable, else
 ``base``. The manifest records which one was used: :func:`zcvae.naming.parse_run_name` needs the same
@@ -240,8 +242,9 @@ def resolve_defaults(
     """(defaults for naming, a description of where they came from).
 
     ``config``: the defaults of ``<config_module>.TrainConfig`` (``ValueError`` if it cannot be imported);
-    ``base``: the family's ``base``; ``auto``: ``config`` when importable, else ``base``. Fields of
-    ``TrainConfig`` without a default are left out.
+    ``base``: the family's ``base`` (plus ``slurm.engine`` as ``engine``, which every run shares too);
+    ``auto``: ``config`` when importable, else ``base``. Fields of ``TrainConfig`` without a default are
+    left out.
     """
     if source not in DEFAULTS_SOURCES:
         raise ValueError(f"defaults source: must be one of {DEFAULTS_SOURCES}, got {source!r}")
@@ -259,7 +262,11 @@ def resolve_defaults(
                 elif field.default_factory is not dataclasses.MISSING:
                     defaults[field.name] = field.default_factory()
             return defaults, f"config:{config_module}.TrainConfig"
-    return dict(family.get("base") or {}), "base"
+    defaults = dict(family.get("base") or {})
+    engine = (family.get("slurm") or {}).get("engine")
+    if engine is not None:
+        defaults.setdefault("engine", engine)  # shared by every run like base, so not worth naming
+    return defaults, "base"
 
 
 def plan_runs(
@@ -270,6 +277,10 @@ def plan_runs(
     Raises ``ValueError`` naming both parameter sets when two runs would get the same name.
     """
     slurm = SlurmSettings.from_dict(family.get("slurm"))
+    # Fields the family varies are named in every run, even where a value equals the default, so the
+    # runs of one family have names of one shape (seed-0 next to seed-1, not a missing seed part).
+    varied = [*(family.get("grid") or {}), *(f for group in _zip_groups(family) for f in group)]
+    always = (AGGREGATION_MODE_FIELD, *varied)
     runs: list[Run] = []
     by_name: dict[str, dict[str, Any]] = {}
     for params in expand_family(family):
@@ -285,7 +296,7 @@ def plan_runs(
                 raise ValueError(f"{field}: not a field of the config the defaults come from")
             if value is None and defaults.get(field) is not None:
                 raise ValueError(f"{field}: None cannot be passed as a flag and the default is {defaults[field]!r}")
-        name = run_name(params, defaults)
+        name = run_name(params, defaults, always=always)
         if name in by_name:
             raise ValueError(
                 f"two runs get the same name {name!r}: {json.dumps(by_name[name], sort_keys=True)} and "

@@ -172,7 +172,7 @@ def test_plan_with_explicit_defaults_names_against_them():
     family = {"base": {"task": "arith"}, "grid": {AGG: ["mean", "sum"], "kl_weight": [1.0, 3.0]}}
     defaults = {AGG: "mean", "kl_weight": 1.0, "task": "arith", "seed": 0, "output_dir": "outputs"}
     runs = plan_runs(family, defaults)
-    assert [r.name for r in runs] == ["agg-mean", "agg-mean_beta-3", "agg-sum", "agg-sum_beta-3"]
+    assert [r.name for r in runs] == ["agg-mean_beta-1", "agg-mean_beta-3", "agg-sum_beta-1", "agg-sum_beta-3"]
     assert runs[3].params == {"task": "arith", AGG: "sum", "kl_weight": 3.0, "output_dir": "outputs/agg-sum_beta-3",
                               "run_name": "agg-sum_beta-3"}
     with pytest.raises(ValueError, match="kl_weight"):
@@ -247,6 +247,8 @@ def test_expansion_order_is_grid_then_zip():
 def test_defaults_source_is_explicit(tmp_path, monkeypatch):
     family = {"base": {AGG: "sum", "seed": 3}}
     assert resolve_defaults(family, source="base") == ({AGG: "sum", "seed": 3}, "base")
+    with_engine = dict(family, slurm={"engine": "fsdp2"})
+    assert resolve_defaults(with_engine, source="base") == ({AGG: "sum", "seed": 3, "engine": "fsdp2"}, "base")
     assert resolve_defaults(family, source="auto", config_module="no_such_zcvae_config")[1] == "base"
     with pytest.raises(ValueError, match="config"):
         resolve_defaults(family, source="config", config_module="no_such_zcvae_config")
