@@ -1,0 +1,455 @@
+"""Resumable checkpoints: atomic, verified, kept N deep, refused when the objective would change.
+
+Layout of one checkpoint (``RUN_DIR/checkpoints/step_00000400/``)::
+
+    engine/                  the engine's own state (local: safetensors + optimizer; DeepSpeed:
+                             save_checkpoint; FSDP2: torch DCP), optimizer state included
+    trainable.safetensors    every requires_grad parameter, gathered in full (rank 0): engine-independent,
+                             so `zcvae export` reads any engine's run without pickle or a process group
+    buffers.safetensors      the latent heads' buffers (router standardisation statistics): not
+                             parameters, but the trained model needs them
+    rng_rank{r}.pt           each rank's python/numpy/torch (CPU, CUDA) RNG states (weights_only-loadable)
+    meta.json                step, data position, world size, engine, c_base, aggregation mode, resolved config
+    COMPLETE                 written last by rank 0: a manifest of every file with its size and sha256
+
+Atomicity: every rank writes into ``step_N.tmp/``; after a barrier rank 0 checks the files, writes
+``COMPLETE`` and renames the directory to ``step_N/``. A crash at any point before the rename leaves a
+``.tmp`` directory that is never loaded (and removed by the next save); the previous checkpoint stays
+loadable. ``resume="auto"`` takes the newest directory with a ``COMPLETE`` marker, and every load checks
+the manifest, so a truncated or corrupted file is reported by name rather than loaded.
+
+The checkpoint directory must be on a filesystem every rank sees (as DeepSpeed and DCP assume): rank 0
+writes the manifest of files the other ranks wrote.
+
+What may change on resume: ``max_steps``, logging and evaluation settings, the world size for the
+local and FSDP2 engines (DDP replicas hold full state; DCP reshards). What is refused, with a ValueError
+naming both values: a changed ``reconstruction_loss_token_aggregation_mode`` or c_base fingerprint (the
+objective would silently change), a different engine, a DeepSpeed world size change (ZeRO partitions
+do not reshard), and a changed latent or LoRA shape.
+
+Debug hooks for the crash tests (environment, off unless set): ``ZCVAE_DEBUG_KILL_AT_STEP=k`` SIGKILLs
+every rank right after checkpoint ``k`` is complete; ``ZCVAE_DEBUG_KILL_IN_SAVE_AT_STEP=k`` SIGKILLs every
+rank after the files of checkpoint ``k`` are written but before ``COMPLETE`` (a crash mid-save).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "COMPLETE",
+    "CheckpointManager",
+    "checkpoint_dirs",
+    "load_trainable_state",
+    "read_meta",
+    "resolve_checkpoint",
+    "verify_checkpoint",
+]
+
+COMPLETE = "COMPLETE"
+META = "meta.json"
+TRAINABLE = "trainable.safetensors"
+BUFFERS = "buffers.safetensors"
+ENGINE_DIR = "engine"
+FORMAT_VERSION = 1
+AGGREGATION_MODE_FIELD = "reconstruction_loss_token_aggregation_mode"
+# Fields that change parameter shapes or what the parameters mean: a resume across them cannot work.
+STRUCTURAL_FIELDS = (
+    "latent_type",
+    "num_latents",
+    "latent_dim",
+    "num_z_slots",
+    "learned_prior",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+)
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+# --------------------------------------------------------------------------- finding checkpoints
+def checkpoint_dirs(directory: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints in ``directory`` (those with a ``COMPLETE`` marker), oldest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and child.is_dir() and (child / COMPLETE).is_file():
+            found.append((int(m.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def resolve_checkpoint(source: str | os.PathLike, *, default_dir: str | os.PathLike | None = None) -> Path | None:
+    """The checkpoint directory that ``source`` names.
+
+    ``"auto"``: the newest complete checkpoint in ``default_dir`` (None when there is none). A
+    checkpoint directory: itself, if complete (ValueError naming it otherwise). A run directory or a
+    ``checkpoints/`` directory: its newest complete checkpoint (ValueError when it has none).
+    """
+    if str(source) == "auto":
+        if default_dir is None:
+            raise ValueError("resume='auto' needs the run's checkpoint directory")
+        found = checkpoint_dirs(default_dir)
+        return found[-1] if found else None
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"resume: checkpoint {str(path)!r} does not exist")
+    if (path / COMPLETE).is_file():
+        return path
+    for candidate in (path, path / "checkpoints"):
+        found = checkpoint_dirs(candidate)
+        if found:
+            return found[-1]
+    if path.name.endswith(".tmp") or _STEP_DIR.match(path.name) or (path / META).exists():
+        raise ValueError(
+            f"resume: checkpoint {str(path)!r} is incomplete (no {COMPLETE} marker): its save was interrupted; "
+            f"resume from an earlier checkpoint or use --resume auto"
+        )
+    raise ValueError(f"resume: {str(path)!r} holds no complete checkpoint (step_NNNNNNNN/ with a {COMPLETE} marker)")
+
+
+# --------------------------------------------------------------------------- manifest
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel == COMPLETE:
+            continue
+        files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return files
+
+
+def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
+    """Check every file of the ``COMPLETE`` manifest (exists, size, sha256); return the marker.
+
+    ValueError naming the first missing, truncated or corrupted file.
+    """
+    directory = Path(directory)
+    marker = directory / COMPLETE
+    try:
+        complete = json.loads(marker.read_text())
+        files = complete["files"]
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {str(directory)!r} is incomplete: no {COMPLETE} marker") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"checkpoint file {str(marker)!r} is corrupt: {err}") from None
+    for rel, expected in sorted(files.items()):
+        path = directory / rel
+        if not path.is_file():
+            raise ValueError(f"checkpoint file {str(path)!r} is missing (listed in {COMPLETE})")
+        size = path.stat().st_size
+        if size != expected["size"]:
+            raise ValueError(f"checkpoint file {str(path)!r} is truncated or corrupt: {size} bytes, expected {expected['size']}")
+        if _sha256(path) != expected["sha256"]:
+            raise ValueError(f"checkpoint file {str(path)!r} is corrupt: its sha256 differs from the {COMPLETE} manifest")
+    return complete
+
+
+def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / META
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint file {str(path)!r} is missing") from None
+    except ValueError as err:
+        raise ValueError(f"checkpoint file {str(path)!r} is corrupt: {err}") from None
+
+
+def load_trainable_state(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(trainable parameters, latent-head buffers) of a verified checkpoint, as CPU tensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    verify_checkpoint(directory)
+    out = []
+    for name in (TRAINABLE, BUFFERS):
+        path = directory / name
+        try:
+            out.append(load_file(str(path)) if path.exists() else {})
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"checkpoint file {str(path)!r} could not be read: {err}") from None
+    return out[0], out[1]
+
+
+# --------------------------------------------------------------------------- RNG
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        # weights_only loading admits tensors, not numpy arrays
+        "numpy": {
+            "key": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            torch.cuda.set_rng_state(cuda[0])
+
+
+# --------------------------------------------------------------------------- the manager
+def _config_dict(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    return dict(config)
+
+
+def _c_base_dict(c_base: Any) -> dict[str, Any] | None:
+    if c_base is None:
+        return None
+    if hasattr(c_base, "to_dict"):
+        return dict(c_base.to_dict())
+    if isinstance(c_base, dict):
+        return dict(c_base)
+    return {"value": float(c_base)}
+
+
+def _engine_name(config: dict[str, Any], engine: Any) -> str:
+    return str(config.get("engine") or type(engine).__name__)
+
+
+def _latent_buffers(model: Any) -> dict[str, torch.Tensor]:
+    """Buffers of the latent heads (everything outside the backbone's peft model).
+
+    The backbone's own buffers (rotary frequencies) are rebuilt from its config; the heads' buffers
+    (standardisation statistics set by calibration) exist nowhere else.
+    """
+    out = {}
+    for name, buf in getattr(model, "named_buffers", lambda: [])():
+        if name.startswith("peft_model.") or buf is None:
+            continue
+        full = buf.full_tensor() if hasattr(buf, "full_tensor") else buf
+        out[name] = full.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def _debug_kill(variable: str, step: int) -> None:
+    # DEBUG HOOK for the crash tests: SIGKILL leaves no chance to clean up, like a lost node.
+    value = os.environ.get(variable)
+    if value is not None and value.strip() and int(value) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CheckpointManager:
+    """Saves and loads resumable checkpoints under one directory (``RUN_DIR/checkpoints``).
+
+    Call :meth:`save` and :meth:`load` on every rank: both hold barriers and collectives.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int, is_main: bool):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep_last_checkpoints must be an int >= 1, got {keep!r}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.is_main = is_main
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step_{step:08d}"
+
+    def latest(self) -> Path | None:
+        found = checkpoint_dirs(self.directory)
+        return found[-1] if found else None
+
+    # ---------------------------------------------------------------- save
+    def save(self, engine: Any, *, step: int, config: Any, c_base: Any) -> Path:
+        """Write checkpoint ``step`` atomically; prune to the newest ``keep``; return its path."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        final = self.path_for(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.is_main:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob("step_*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        engine.barrier()
+
+        cfg = _config_dict(config)
+        cb = _c_base_dict(c_base)
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            # the sampler is a pure function of (seed, step): the step is the data position
+            "data_position": step,
+            "world_size": int(engine.world_size),
+            "engine": _engine_name(cfg, engine),
+            AGGREGATION_MODE_FIELD: cfg.get(AGGREGATION_MODE_FIELD),
+            "c_base": cb,
+            "config": cfg,
+        }
+        # client_state travels through the engine (weights_only-loadable: plain types only)
+        client_state = {"step": step, "world_size": meta["world_size"], "engine": meta["engine"], "meta_json": json.dumps(meta, sort_keys=True, default=str)}
+        engine.save_checkpoint(str(tmp / ENGINE_DIR), client_state=client_state)
+
+        # collective on every rank; only rank 0 gets tensors
+        trainable = engine.trainable_state_dict()
+        torch.save(_rng_state(), tmp / f"rng_rank{engine.rank}.pt")
+        if self.is_main:
+            from safetensors.torch import save_file
+
+            save_file({n: t.contiguous() for n, t in trainable.items()}, str(tmp / TRAINABLE))
+            buffers = _latent_buffers(engine.model)
+            if buffers:
+                save_file(buffers, str(tmp / BUFFERS))
+            (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+        engine.barrier()
+        _debug_kill("ZCVAE_DEBUG_KILL_IN_SAVE_AT_STEP", step)
+
+        if self.is_main:
+            complete = {"format": FORMAT_VERSION, "step": step, "files": _manifest(tmp)}
+            marker_tmp = tmp / (COMPLETE + ".part")
+            with open(marker_tmp, "w") as f:
+                f.write(json.dumps(complete, indent=2, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(marker_tmp, tmp / COMPLETE)
+            old = final.with_name(final.name + ".old")
+            if final.exists():  # the same step saved again (a run resumed at its last step)
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+            _fsync_dir(self.directory)
+            self._prune()
+        engine.barrier()
+        _debug_kill("ZCVAE_DEBUG_KILL_AT_STEP", step)
+        return final
+
+    def _prune(self) -> None:
+        for path in checkpoint_dirs(self.directory)[: -self.keep]:
+            # rename first: a crash mid-delete must not leave a half-deleted dir that still looks complete
+            doomed = path.with_name(path.name + ".deleting")
+            os.replace(path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    # ---------------------------------------------------------------- load
+    def load(self, engine: Any, source: str | os.PathLike, *, config: Any, c_base: Any) -> dict[str, Any]:
+        """Restore the engine, this rank's RNG states and the step from ``source``.
+
+        ``source``: a checkpoint directory, a run or checkpoints directory (its newest complete
+        checkpoint) or ``"auto"`` (the newest complete one here; a fresh start, step 0, when there is
+        none). Returns ``{"step", "checkpoint", "meta"}``.
+        """
+        path = resolve_checkpoint(source, default_dir=self.directory)
+        if path is None:
+            return {"step": 0, "checkpoint": None, "meta": None}
+        # every rank verifies, so every rank raises the same error rather than one rank hanging
+        verify_checkpoint(path)
+        meta = read_meta(path)
+        check_compatible(meta, config=_config_dict(config), c_base=_c_base_dict(c_base), world_size=int(engine.world_size), engine=engine, path=path)
+        try:
+            client_state = engine.load_checkpoint(str(path / ENGINE_DIR))
+        except Exception as err:  # noqa: BLE001 - re-raised with what was saved and what loads it
+            raise RuntimeError(
+                f"could not load checkpoint {str(path)!r} (saved by engine {meta['engine']!r} at world size "
+                f"{meta['world_size']}; loading with engine {_engine_name(_config_dict(config), engine)!r} at world size "
+                f"{engine.world_size}): {type(err).__name__}: {err}"
+            ) from err
+        if int(client_state.get("step", meta["step"])) != meta["step"]:
+            raise ValueError(f"checkpoint {str(path)!r}: the engine state is for step {client_state.get('step')}, {META} says {meta['step']}")
+        rng = path / f"rng_rank{engine.rank}.pt"
+        if rng.is_file():
+            try:
+                _set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
+            except Exception as err:  # noqa: BLE001 - name the file
+                raise ValueError(f"checkpoint file {str(rng)!r} could not be read: {err}") from err
+        else:
+            warnings.warn(f"{rng} is missing (the checkpoint was saved by {meta['world_size']} ranks): rank {engine.rank} keeps its seeded RNG state")
+        engine.barrier()
+        return {"step": int(meta["step"]), "checkpoint": str(path), "meta": meta}
+
+
+def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: dict[str, Any] | None, world_size: int, engine: Any, path: Path) -> None:
+    """ValueError, naming the field and both values, when resuming ``meta`` under ``config`` would not
+    continue the same training run."""
+    where = f"checkpoint {str(path)!r}"
+    saved_cfg = meta.get("config") or {}
+    saved_mode = meta.get(AGGREGATION_MODE_FIELD) or saved_cfg.get(AGGREGATION_MODE_FIELD)
+    mode = config.get(AGGREGATION_MODE_FIELD)
+    if saved_mode is not None and mode is not None and saved_mode != mode:
+        raise ValueError(
+            f"{AGGREGATION_MODE_FIELD} changed: {where} was trained with {saved_mode!r}, this run asks for {mode!r}; "
+            f"the objective and its mode-matched c_base would silently change. Resume with "
+            f"--{AGGREGATION_MODE_FIELD.replace('_', '-')} {saved_mode} or start a new run."
+        )
+    saved_cb = meta.get("c_base")
+    if saved_cb and c_base:
+        if saved_cb.get("mode") is not None and c_base.get("mode") is not None and saved_cb["mode"] != c_base["mode"]:
+            raise ValueError(f"{AGGREGATION_MODE_FIELD} of c_base changed: {where} has {saved_cb['mode']!r}, this run {c_base['mode']!r}")
+        if saved_cb.get("fingerprint") and c_base.get("fingerprint") and saved_cb["fingerprint"] != c_base["fingerprint"]:
+            raise ValueError(
+                f"c_base changed: {where} was trained with c_base {saved_cb.get('value')} (fingerprint "
+                f"{saved_cb['fingerprint']}, {saved_cb.get('source')}), this run computed {c_base.get('value')} "
+                f"(fingerprint {c_base['fingerprint']}, {c_base.get('source')}); the backbone, the validation data or "
+                f"zfree_reference_scale differ, so the objective would silently change"
+            )
+    for name in STRUCTURAL_FIELDS:
+        if name in saved_cfg and name in config and saved_cfg[name] != config[name]:
+            raise ValueError(f"{name} changed: {where} has {saved_cfg[name]!r}, this run {config[name]!r}; the trained parameters do not fit")
+    saved_engine, this_engine = meta.get("engine"), _engine_name(config, engine)
+    if saved_engine != this_engine:
+        raise ValueError(
+            f"engine changed: {where} was written by engine {saved_engine!r}, this run uses engine {this_engine!r}; "
+            f"their optimizer-state formats differ. Resume with --engine {saved_engine}, or export the adapter and start a new run."
+        )
+    saved_world = int(meta.get("world_size", world_size))
+    if saved_world != world_size and this_engine == "deepspeed":
+        raise ValueError(
+            f"world size changed: {where} was written by {saved_world} DeepSpeed ranks, this run has {world_size}; "
+            f"ZeRO optimizer partitions do not reshard. Resume with {saved_world} ranks."
+        )
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
