@@ -1,0 +1,336 @@
+"""The training loop: read it top to bottom.
+
+    zcvae train --task sort --output-dir runs/a                          # one process
+    torchrun --nproc_per_node 2 -m zcvae train --engine fsdp2 ...        # one node, two ranks
+    torchrun --nproc_per_node 2 -m zcvae train --engine deepspeed --deepspeed-config ds_configs/zero3.json
+
+Exactness across world sizes and accumulation: the objective of one optimizer step is the example
+mean over the global batch (all ranks, all micro-batches). The number of valid examples is all-reduced
+*before* the forwards, each micro-batch contributes ``local_sum / global_count``, and the engine undoes
+its own implicit averaging, so (world 1, accumulation 4) and (world 2, accumulation 2) take the same
+step. The trainer never branches on the engine type.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from zcvae import __version__
+from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at
+from zcvae.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
+from zcvae.distributed import init_distributed, reduce_metrics
+from zcvae.losses import DIAGNOSTIC_REDUCTIONS
+from zcvae.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
+from zcvae.templates import collate, encode_examples
+
+RUN_CONFIG = "run_config.json"
+METRICS = "metrics.jsonl"
+
+
+# --------------------------------------------------------------------------- metric windows
+@dataclass
+class MetricWindow:
+    """Per-rank running sums/minima/maxima of per-example values; reduced exactly across ranks.
+
+    Tensors stay on the device until :meth:`reduce`, so logging costs no host sync per micro-batch.
+    """
+
+    sums: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)
+    mins: dict = field(default_factory=dict)
+    maxs: dict = field(default_factory=dict)
+    totals: dict = field(default_factory=dict)
+
+    def add_examples(self, values: dict[str, torch.Tensor], valid_B: torch.Tensor) -> None:
+        valid_B = valid_B.detach().float()
+        has = valid_B > 0
+        for name, value_B in values.items():
+            if name == "valid":
+                continue
+            value_B = value_B.detach().float()
+            how = DIAGNOSTIC_REDUCTIONS.get(name, "mean")
+            if how == "mean":
+                self._add(self.sums, name, (value_B * valid_B).sum())
+                self._add(self.counts, name, valid_B.sum())
+            elif how == "min":
+                self._reduce(self.mins, name, torch.where(has, value_B, torch.full_like(value_B, math.inf)).min(), torch.minimum)
+            elif how == "max":
+                self._reduce(self.maxs, name, torch.where(has, value_B, torch.full_like(value_B, -math.inf)).max(), torch.maximum)
+            else:  # "sum": a count over examples (e.g. degenerate)
+                self._add(self.totals, name, value_B.sum())
+
+    def add_scalar(self, name: str, value, weight=1.0) -> None:
+        """A value that is the same on every rank (or a per-rank value to average over ranks)."""
+        self._add(self.sums, name, torch.as_tensor(value, dtype=torch.float64) * weight)
+        self._add(self.counts, name, torch.as_tensor(weight, dtype=torch.float64))
+
+    def reduce(self) -> dict[str, float]:
+        out = reduce_metrics(sums=self.sums, counts=self.counts, mins=self.mins, maxs=self.maxs)
+        if self.totals:
+            totals = reduce_metrics(sums=self.totals, counts={k: 1.0 for k in self.totals})
+            out.update({k: totals[f"{k}/sum"] for k in self.totals})
+        return {k: v for k, v in out.items() if not k.endswith(("/sum", "/count"))}
+
+    @staticmethod
+    def _add(store: dict, name: str, value: torch.Tensor) -> None:
+        value = value.detach().to(torch.float64)
+        store[name] = store[name] + value if name in store else value
+
+    @staticmethod
+    def _reduce(store: dict, name: str, value: torch.Tensor, fn) -> None:
+        value = value.detach().to(torch.float64)
+        store[name] = fn(store[name], value) if name in store else value
+
+
+# --------------------------------------------------------------------------- run directory
+def package_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0], "zcvae": __version__}
+    for name in ("torch", "transformers", "peft", "deepspeed", "safetensors", "tensorboard"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def git_revision() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return rev.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+class RunLogger:
+    """metrics.jsonl plus TensorBoard (tags ``train/NAME``, ``eval/NAME``), written by rank 0 only."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool):
+        self.enabled = enabled
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self.jsonl = open(run_dir / METRICS, "a", buffering=1)
+
+    def log(self, split: str, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "split": split, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self.jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and math.isfinite(float(value)):
+                self.writer.add_scalar(f"{split}/{name}", float(value), step)
+        self.writer.flush()
+
+    def hparams(self, cfg: TrainConfig, final: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        hp = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in cfg.to_dict().items()}
+        metrics = {f"hparam/{k}": float(v) for k, v in final.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        self.writer.add_hparams(hp, metrics, run_name="hparams")
+        self.writer.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2) + "\n```")
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.writer.close()
+            self.jsonl.close()
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# --------------------------------------------------------------------------- the loop
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def train(cfg: TrainConfig, *, log=print) -> dict[str, float]:
+    """Train one run; returns the final evaluation metrics (on every rank)."""
+    from zcvae.checkpoint import CheckpointManager
+    from zcvae.engines import build_engine
+    from zcvae.evaluation import evaluate
+    from zcvae.model import ZCVAE
+    from zcvae.naming import run_name as derive_run_name
+    from zcvae.reference import ReferenceProvider
+
+    # 1. processes, seeds, run directory
+    info = init_distributed(require_group=cfg.engine == "deepspeed")
+    is_main = info.rank == 0
+    seed_everything(cfg.seed)
+    if cfg.run_name is None:
+        cfg.run_name = derive_run_name(cfg.to_dict(), TrainConfig().to_dict())
+    run_dir = Path(cfg.output_dir)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    say = log if is_main else (lambda *a, **k: None)
+
+    # 2. data and backbone
+    splits = load_splits(cfg)
+    backbone = cfg.backbone or default_backbone(cfg, log=say)
+    model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.seed)
+    num_slots = cfg.slot_tokens
+    train_enc, train_report = encode_examples(splits.train, model.tokenizer, model.tokens, max_length=cfg.max_length, num_z_slots=num_slots)
+    val_enc, val_report = encode_examples(splits.val, model.tokenizer, model.tokens, max_length=cfg.max_length, num_z_slots=num_slots)
+    for name, report in (("train", train_report), ("val", val_report)):
+        if report.num_skipped:
+            say(f"[data] {name}: skipped {report.num_skipped} of {report.num_examples} examples, e.g. {report.skipped[:3]}")
+        if report.num_x_truncated:
+            say(f"[data] {name}: truncated x of {report.num_x_truncated} examples from the left")
+    if not train_enc or not val_enc:
+        raise ValueError(f"no usable example left: train {len(train_enc)}, val {len(val_enc)} (see the skip messages above)")
+    model.calibrate(collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots))
+
+    # 3. engine and optimizer; fail loudly if a latent parameter would not train
+    groups = model.param_groups(lora_lr=cfg.lora_learning_rate, latent_lr=cfg.latent_learning_rate, weight_decay=cfg.weight_decay)
+    model.check_trainable(p for g in groups for p in g["params"])
+    peak_lrs = [g["lr"] for g in groups]
+    engine = build_engine(cfg.engine_config(), model=model, param_groups=groups, learning_rate=cfg.lora_learning_rate, weight_decay=cfg.weight_decay)
+
+    # 4. z-free reference statistics and c_base (mode-matched, fingerprinted)
+    global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * info.world_size
+    passes = passes_over_data(num_examples=len(train_enc), global_batch_size=global_batch, max_steps=cfg.max_steps)
+    reference = ReferenceProvider.build(
+        cfg, engine=engine, model=model, backbone=backbone, train=train_enc, val=val_enc, passes=passes, log=say
+    )
+    recon_cfg = cfg.reconstruction_config()
+    aux = AuxiliaryWeights.from_train_config(cfg)
+
+    checkpoints = CheckpointManager(run_dir / "checkpoints", keep=cfg.keep_last_checkpoints, is_main=is_main)
+    start_step = 0
+    if cfg.resume is not None:
+        state = checkpoints.load(engine, cfg.resume, config=cfg, c_base=reference.c_base)
+        start_step = state["step"]
+        say(f"[resume] from step {start_step}")
+
+    if is_main:
+        write_json_atomic(run_dir / RUN_CONFIG, run_metadata(cfg, info.world_size, splits, train_report, val_report, reference))
+    logger = RunLogger(run_dir, enabled=is_main)
+    say(f"[run] {cfg.run_name}: {len(train_enc)} train / {len(val_enc)} val examples, world {info.world_size}, "
+        f"engine {cfg.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
+
+    def run_eval(step: int) -> dict[str, float]:
+        metrics = evaluate(engine=engine, model=model, cfg=cfg, val=val_enc, reference=reference, task=splits.task, run_dir=run_dir, step=step)
+        logger.log("eval", step, metrics)
+        return metrics
+
+    # 5. the loop
+    progress = _progress(cfg, start_step, enabled=is_main)
+    window = MetricWindow()
+    window_tokens, window_start = 0.0, time.perf_counter()
+    for step in range(start_step, cfg.max_steps):
+        beta = kl_weight_at(cfg, step)
+        lr_factor = lr_factor_at(cfg, step)
+        engine.set_learning_rates([lr * lr_factor for lr in peak_lrs])
+        indices = global_batch_indices(num_examples=len(train_enc), global_batch_size=global_batch, step=step, seed=cfg.seed)
+        micro = rank_micro_batches(indices, micro_batch_size=cfg.micro_batch_size, accumulation_steps=cfg.gradient_accumulation_steps, rank=info.rank, world_size=info.world_size)
+        batches = [collate([train_enc[i] for i in mb], model.tokens, num_z_slots=num_slots).to(info.device) for mb in micro]
+        # the global count of valid examples, before any forward (every kept example has n_i >= 1)
+        global_count = engine.all_reduce(torch.tensor(float(sum(len(b) for b in batches)), device=info.device))
+        for m, batch in enumerate(batches):
+            ref_nll_BN = reference.ref_nll(engine, batch)  # before the training forward (ZeRO-3 ordering)
+            out = engine.module(batch, mode="train")
+            terms = per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=reference.c_base.value, recon_config=recon_cfg, kl_weight=beta, aux=aux)
+            loss = terms["loss"].sum() / global_count
+            if out.posterior is not None:
+                local_q_K = (out.posterior * terms["valid"][:, None]).sum(0)
+                global_q_K = engine.all_reduce(local_q_K.detach())
+                marginal, router = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=global_q_K, global_count=global_count, aux=aux)
+                loss = loss + marginal / len(batches)
+                for name, value in router.items():
+                    window.add_scalar(name, value)
+            engine.backward(loss, sync=m == len(batches) - 1)
+            window.add_examples(terms, terms["valid"])
+            window_tokens += float(batch.num_supervised.sum())
+        grad_norm = engine.step(max_grad_norm=cfg.max_grad_norm)
+        window.add_scalar("grad_norm", grad_norm)
+        progress.update(1)
+
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.max_steps:
+            metrics = window.reduce()
+            elapsed = time.perf_counter() - window_start
+            tokens = float(engine.all_reduce(torch.tensor(window_tokens, dtype=torch.float64)))
+            metrics.update(kl_weight=beta, tokens_per_second=tokens / max(elapsed, 1e-9), c_base=reference.c_base.value)
+            metrics.update({f"learning_rate/{g['name']}": lr * lr_factor for g, lr in zip(groups, peak_lrs)})
+            logger.log("train", done, metrics)
+            progress.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}", kl=f"{metrics.get('kl', float('nan')):.3f}")
+            window, window_tokens, window_start = MetricWindow(), 0.0, time.perf_counter()
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
+            run_eval(done)
+        if cfg.save_every and done % cfg.save_every == 0 and done != cfg.max_steps:
+            checkpoints.save(engine, step=done, config=cfg, c_base=reference.c_base)
+    progress.close()
+
+    final = run_eval(cfg.max_steps)
+    checkpoints.save(engine, step=cfg.max_steps, config=cfg, c_base=reference.c_base)
+    logger.hparams(cfg, final)
+    logger.close()
+    say(f"[done] {cfg.run_name}: " + ", ".join(f"{k}={final[k]:.3f}" for k in ("nmi", "mi", "kl", "exact_match") if k in final))
+    return final
+
+
+def run_metadata(cfg, world_size, splits, train_report, val_report, reference) -> dict:
+    return {
+        "config": cfg.to_dict(),
+        "reconstruction_loss_token_aggregation_mode": cfg.reconstruction_loss_token_aggregation_mode,
+        "c_base": reference.c_base.to_dict(),
+        "reference_policy": reference.policy,
+        "world_size": world_size,
+        "data": {
+            "source": splits.source,
+            "train": {"examples": train_report.num_examples, "kept": train_report.num_kept, "skipped": train_report.num_skipped, "x_truncated": train_report.num_x_truncated, "unknown_tokens": train_report.num_unknown_tokens},
+            "val": {"examples": val_report.num_examples, "kept": val_report.num_kept, "skipped": val_report.num_skipped, "x_truncated": val_report.num_x_truncated, "unknown_tokens": val_report.num_unknown_tokens},
+        },
+        "versions": package_versions(),
+        "git_revision": git_revision(),
+        "command": sys.argv,
+    }
+
+
+def default_backbone(cfg: TrainConfig, *, log=print) -> str:
+    """The built-in tiny backbone pretrained on the run's task, built once and cached."""
+    from zcvae.backbone import PretrainConfig, is_pretrained, pretrain
+
+    task = cfg.task
+    if cfg.train_data is not None:
+        raise ValueError("--backbone is required with --train-data (pretrain one with `zcvae pretrain --train-data ...`)")
+    pcfg = PretrainConfig(task=task, seed=0)
+    cache = Path(os.environ.get("ZCVAE_CACHE", Path.home() / ".cache" / "zcvae")) / "backbones" / f"{pcfg.task or 'default'}"
+    pcfg.output_dir = str(cache)
+    if not is_pretrained(cache):
+        log(f"[backbone] pretraining the built-in backbone into {cache}")
+        pretrain(pcfg, log=log)
+    return str(cache)
+
+
+def _progress(cfg: TrainConfig, start: int, *, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.max_steps, initial=start, disable=not (enabled and cfg.progress_bar), desc=cfg.run_name, dynamic_ncols=True, leave=False)
