@@ -1,0 +1,632 @@
+"""The CVAE around a Hugging Face causal LM: z tokens, LoRA, router heads and the reference pass.
+
+One module, one entry point. Every pass goes through ``ZCVAE.forward(batch, mode=...)`` because the
+scale-out engines (DeepSpeed ZeRO-3, FSDP2) gather sharded weights only when the *wrapped* module is
+called; the trainer calls ``engine.module(batch, mode=...)``.
+
+Modes
+    "reference"  frozen backbone (adapters disabled), z-free template -> (ref_nll_BN, mask_BN)
+    "train"      router pass + all K branches (discrete) or S samples (Gaussian) -> CVAEOutput
+    "encode"     router pass only (posterior/prior, z-free adapted NLL) -> CVAEOutput without branches
+    "decode"     next-token logits at the last non-pad position of given rows -> logits_RV
+
+Discrete latent (``latent_type="discrete"``): z is one of K new tokens ``<z_k>`` written into the z
+slot of ``<bos> <x> {x} </x> <z> z </z> <y> {y} </y> <eos>``. One LoRA-adapted pass over the z-free
+template gives the prior p(z|x) from the final hidden state at ``</x>`` (causal: it has seen x only)
+and the posterior q(z|x,y) from the state at ``</y>``; the K branches then run as one batched forward
+of B*K rows (optionally chunked), and the trainer takes the exact expectation over q.
+
+Gaussian latent (``latent_type="continuous"``): q(z|x,y) = N(mu, diag e^logvar) from the ``</y>``
+state, p(z|x) learned from ``</x>`` (or N(0, I)); S reparameterised samples are projected to M
+soft-prompt offsets added to the ``<znull>`` slot embeddings of the z-conditioned template.
+
+Shape legend: B batch, T z-free length, S z-conditioned length, V vocabulary, H hidden size,
+K branches (discrete latents, or Gaussian samples), N supervised span (left-aligned), D latent
+dimension, M z slots, R rows of a branch forward (B*K) or of a decode call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zcvae.latent import (
+    DiscreteRouter,
+    GaussianRouter,
+    SoftPromptProjection,
+    categorical_kl,
+    entropy,
+    gaussian_entropy,
+    gaussian_kl,
+    inter_latent_divergence,
+)
+from zcvae.losses import gather_span, token_nll
+from zcvae.templates import ZNULL, Batch, TemplateTokens, prepare_tokenizer
+
+__all__ = ["CVAEOutput", "LATENT_TYPES", "MODES", "ModelConfig", "ZCVAE", "default_lora_targets"]
+
+LATENT_TYPES = ("discrete", "continuous")
+MODES = ("reference", "train", "encode", "decode")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+# LoRA targets per architecture: the attention projections (the prototype's choice for Llama). GPT-2's
+# attention and MLP both have a `c_proj`, so its default is a regex (peft full-matches a str target).
+_LORA_TARGETS: dict[str, list[str] | str] = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gpt2": r".*\.attn\.(c_attn|c_proj)",
+    "gpt_neox": ["query_key_value", "dense"],
+}
+
+
+def default_lora_targets(model_type: str) -> list[str] | str:
+    """peft ``target_modules`` for a Hugging Face ``model_type``; ValueError for an unknown one."""
+    if model_type not in _LORA_TARGETS:
+        raise ValueError(
+            f"lora_target_modules: no default for model_type {model_type!r} (known: {sorted(_LORA_TARGETS)}); set it explicitly"
+        )
+    return _LORA_TARGETS[model_type]
+
+
+@dataclass
+class ModelConfig:
+    """How the backbone becomes a CVAE. ``from_dict`` rejects unknown keys."""
+
+    latent_type: str = "discrete"
+    """"discrete" (K learned z tokens, exact expectation) or "continuous" (Gaussian soft prompts)."""
+    num_latents: int = 2
+    """K, the number of discrete latents."""
+    latent_dim: int = 16
+    """D, the Gaussian z dimension."""
+    num_z_slots: int = 1
+    """M soft-prompt embeddings in the z section (Gaussian); the discrete latent uses exactly 1."""
+    num_latent_samples: int = 1
+    """S reparameterised samples per example (Gaussian)."""
+    learned_prior: bool = True
+    """Gaussian: learned p(z|x) from the </x> state; False = N(0, I)."""
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = None
+    """None = per-architecture default (see ``default_lora_targets``)."""
+    branch_chunk_size: int | None = None
+    """Rows of the B*K branch forward run at once (bounds activation memory); None = all."""
+    z_init_noise: float = 0.1
+    """z rows start as the <znull> row (or the mean embedding) plus noise of this fraction of its norm."""
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    """Only behind this explicit flag: a local model directory may ship code."""
+    dtype: str = "float32"
+    """Backbone weight dtype on load: float32 | bfloat16 | float16 | auto (as saved)."""
+    disable_backbone_dropout: bool = True
+    """Set the backbone's own dropout to 0 (LoRA dropout is separate): the K branches of one example,
+    the reference pass and a (world, accumulation) re-split must see the same function."""
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+        if self.latent_type not in LATENT_TYPES:
+            raise ValueError(f"latent_type must be one of {LATENT_TYPES}, got {self.latent_type!r}")
+        for name in ("num_latents", "latent_dim", "num_z_slots", "num_latent_samples", "lora_r"):
+            positive_int(name)
+        if self.latent_type == "discrete" and self.num_z_slots != 1:
+            raise ValueError(f"num_z_slots must be 1 for the discrete latent, got {self.num_z_slots}")
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
+            raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
+        if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.lora_target_modules is not None and (
+            not isinstance(self.lora_target_modules, (list, tuple))
+            or not self.lora_target_modules
+            or not all(isinstance(t, str) and t for t in self.lora_target_modules)
+        ):
+            raise ValueError(f"lora_target_modules must be None or a non-empty list of names, got {self.lora_target_modules!r}")
+        if self.branch_chunk_size is not None:
+            positive_int("branch_chunk_size")
+        if not isinstance(self.z_init_noise, (int, float)) or not math.isfinite(self.z_init_noise) or self.z_init_noise < 0:
+            raise ValueError(f"z_init_noise must be a finite number >= 0, got {self.z_init_noise!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys: {unknown}")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class CVAEOutput:
+    """What ``forward(mode="train")`` (and, without the branch fields, ``mode="encode"``) returns.
+
+    All float tensors are float32. "Gaussian" fields are None for the discrete latent and vice versa;
+    the branch fields (``token_nll``, ``branch_weights``, ``inter_latent_divergence``) are None in
+    encode mode.
+    """
+
+    latent_type: str
+    mask: torch.Tensor  # (B, N) bool, supervised span positions
+    num_supervised: torch.Tensor  # (B,) n_i
+    kl: torch.Tensor  # (B,) nats: exact KL(q || p) (discrete) or closed form (Gaussian)
+    posterior_entropy: torch.Tensor  # (B,) nats: H(q) (discrete) or differential entropy of q (Gaussian)
+    zfree_nll: torch.Tensor  # (B, N) LoRA-adapted z-free token NLL from the router pass
+    token_nll: torch.Tensor | None = None  # (B, K, N) z-conditioned token NLL per branch (K = S samples)
+    branch_weights: torch.Tensor | None = None  # (B, K) q (differentiable) or 1/S (Gaussian, constant)
+    inter_latent_divergence: torch.Tensor | None = None  # (B,) see latent.inter_latent_divergence
+    posterior_logits: torch.Tensor | None = None  # (B, K) discrete
+    prior_logits: torch.Tensor | None = None  # (B, K) discrete
+    mu: torch.Tensor | None = None  # (B, D) Gaussian posterior mean
+    logvar: torch.Tensor | None = None  # (B, D)
+    prior_mu: torch.Tensor | None = None  # (B, D) zeros when the prior is N(0, I)
+    prior_logvar: torch.Tensor | None = None  # (B, D)
+    posterior_variance: torch.Tensor | None = None  # (B,) Gaussian: mean_d exp(logvar_d)
+    z: torch.Tensor | None = None  # (B, S, D) Gaussian samples used by the branches (train mode)
+
+    @property
+    def posterior(self) -> torch.Tensor | None:
+        """q(z|x,y) as probabilities (B, K), discrete only."""
+        return None if self.posterior_logits is None else self.posterior_logits.softmax(-1)
+
+    @property
+    def prior(self) -> torch.Tensor | None:
+        return None if self.prior_logits is None else self.prior_logits.softmax(-1)
+
+
+def _chunks(num_rows: int, chunk: int | None) -> list[slice]:
+    step = num_rows if not chunk else chunk
+    return [slice(i, min(i + step, num_rows)) for i in range(0, num_rows, max(step, 1))]
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        # Llama-style attention passes a float attribute to the attention kernel instead of a module.
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+class ZCVAE(nn.Module):
+    """A causal LM with LoRA adapters, trainable z rows (discrete) or a soft-prompt projection
+    (Gaussian), and router heads. Build it with :meth:`from_pretrained`."""
+
+    def __init__(
+        self,
+        *,
+        peft_model: nn.Module,
+        tokenizer,
+        tokens: TemplateTokens,
+        config: ModelConfig,
+        router: nn.Module,
+        projection: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.peft_model = peft_model
+        self.router = router
+        self.projection = projection
+        self.tokenizer = tokenizer
+        self.tokens = tokens
+        self.config = config
+
+    # ------------------------------------------------------------------------------------------
+    # Construction
+    # ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls, backbone_dir: str, config: ModelConfig, *, calibration: Batch | None = None, seed: int = 0
+    ) -> "ZCVAE":
+        """Load a local Hugging Face directory (model + tokenizer, safetensors only) and wrap it.
+
+        Steps, in this order because each depends on the previous one:
+        1. tokenizer from the same directory; ``prepare_tokenizer`` adds the markers and K latents;
+        2. the backbone (``local_files_only``, ``use_safetensors``); its dropout is turned off;
+        3. embeddings resized *before* wrapping (ZeRO-3 copies rows only inside a gather), the new
+           rows initialised here (z rows from ``<znull>`` + noise, see ``_init_new_rows``);
+        4. peft LoRA on the attention projections, with ``trainable_token_indices`` = the z rows, so
+           only those rows train (a small delta parameter; the matrix itself stays frozen, so every
+           other row is bitwise unchanged, weight decay included);
+        5. router heads (+ soft-prompt projection), and their standardisation statistics from
+           ``calibration`` when given. When it is None they are estimated from the first batch that
+           reaches ``forward(mode="train"|"encode")``; under data parallelism that batch differs per
+           rank, so distributed runs should pass the same ``calibration`` batch on every rank.
+        All random initialisation draws from ``seed`` (LoRA A, z-row noise, projection), not from the
+        global RNG state, so every rank builds the same model.
+        """
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+        backbone_dir = os.fspath(backbone_dir)
+        if not os.path.isdir(backbone_dir):
+            raise ValueError(f"backbone_dir {backbone_dir!r} is not a directory")
+        if not os.path.isfile(os.path.join(backbone_dir, "config.json")):
+            raise ValueError(f"backbone_dir {backbone_dir!r} has no config.json (not a Hugging Face model directory)")
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            backbone_dir, local_files_only=True, trust_remote_code=config.trust_remote_code
+        )
+        vocab_before = tokenizer.get_vocab()
+        num_latent_tokens = config.num_latents if config.latent_type == "discrete" else 0
+        tokens = prepare_tokenizer(tokenizer, num_latents=num_latent_tokens)
+        added = sorted(i for t, i in tokenizer.get_vocab().items() if t not in vocab_before)
+
+        dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            backbone_dir,
+            local_files_only=True,
+            use_safetensors=True,
+            trust_remote_code=config.trust_remote_code,
+            dtype=dtype,
+        )
+        if config.disable_backbone_dropout:
+            _disable_dropout(model)
+        model.config.use_cache = False
+
+        rng = torch.Generator().manual_seed(seed)
+        old_rows = model.get_input_embeddings().weight.shape[0]
+        if len(tokenizer) > old_rows:
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        z_scale = cls._init_new_rows(
+            model, tokens=tokens, added=added, old_rows=old_rows, had_znull=ZNULL in vocab_before,
+            noise=config.z_init_noise, generator=rng,
+        )
+        if config.gradient_checkpointing:
+            # Non-reentrant: works with inputs that do not require grad and with the no-grad
+            # reference pass between training forwards (checked on CPU for ZeRO-2/3 and FSDP2).
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+        hidden = model.get_input_embeddings().weight.shape[1]
+        model_type = getattr(model.config, "model_type", "")
+        targets = config.lora_target_modules or default_lora_targets(model_type)
+        lora = LoraConfig(
+            task_type="CAUSAL_LM",
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=targets,
+            fan_in_fan_out=model_type == "gpt2",  # GPT-2 uses Conv1D (transposed weights)
+            trainable_token_indices=list(tokens.latents) if tokens.latents else None,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # LoRA A matrices are drawn from the global RNG inside peft
+            peft_model = get_peft_model(model, lora)
+
+        projection = None
+        if config.latent_type == "discrete":
+            router: nn.Module = DiscreteRouter(hidden, config.num_latents)
+        else:
+            router = GaussianRouter(hidden, config.latent_dim, learned_prior=config.learned_prior)
+            projection = SoftPromptProjection(config.latent_dim, config.num_z_slots, hidden)
+            projection.reset_parameters(init_scale=config.z_init_noise * z_scale, generator=rng)
+
+        out = cls(peft_model=peft_model, tokenizer=tokenizer, tokens=tokens, config=config, router=router, projection=projection)
+        # Hugging Face returns models in eval mode; LoRA dropout and gradient checkpointing only act in
+        # train mode, so hand back a module in train mode like any freshly built nn.Module (the
+        # evaluation switches to eval mode itself).
+        out.train()
+        if calibration is not None:
+            out.calibrate(calibration)
+        return out
+
+    @staticmethod
+    @torch.no_grad()
+    def _init_new_rows(
+        model: nn.Module,
+        *,
+        tokens: TemplateTokens,
+        added: list[int],
+        old_rows: int,
+        had_znull: bool,
+        noise: float,
+        generator: torch.Generator,
+    ) -> float:
+        """Initialise the rows of newly added tokens; return the norm scale used for z noise.
+
+        z rows: ``<znull>`` row + noise when the backbone already knew ``<znull>`` (it was pretrained
+        with ``<znull>`` in the slot, so z_k starts as "no latent" and the decoder is not disturbed);
+        otherwise the mean embedding + noise. The noise has norm ``noise`` x the base row's norm
+        (x the mean row norm for the mean embedding), in a random direction, so the K rows differ and
+        the branches give the router distinct gradients from step 0. Other new markers (a backbone
+        that lacked them) get the mean embedding; they are not trained. New rows of an untied output
+        head get the mean output row, so no new token is favoured.
+        """
+        emb = model.get_input_embeddings().weight  # (V, H)
+        base_rows = emb[:old_rows].float()
+        mean_row = base_rows.mean(0)
+        if had_znull:
+            base, scale = emb[tokens.znull].float().clone(), float(emb[tokens.znull].float().norm())
+        else:
+            base, scale = mean_row, float(base_rows.norm(dim=1).mean())
+        latents = set(tokens.latents)
+        for row in added:
+            if row in latents:
+                direction = torch.randn(emb.shape[1], generator=generator)
+                value = base + noise * scale * direction / direction.norm().clamp_min(1e-12)
+            else:
+                value = mean_row
+            emb[row] = value.to(emb.dtype)
+        out_emb = model.get_output_embeddings()
+        if out_emb is not None and out_emb.weight.data_ptr() != emb.data_ptr() and out_emb.weight.shape[0] > old_rows:
+            w = out_emb.weight
+            w[old_rows:] = w[:old_rows].float().mean(0).to(w.dtype)
+            bias = getattr(out_emb, "bias", None)
+            if bias is not None:
+                bias[old_rows:] = bias[:old_rows].float().mean().to(bias.dtype)
+        return scale
+
+    @torch.no_grad()
+    def calibrate(self, batch: Batch) -> None:
+        """Estimate the router's standardisation statistics from ``batch`` (>= 2 examples).
+
+        Uses the LoRA-adapted hidden states; at construction LoRA B is zero, so they equal the base
+        model's. Deterministic and independent of the rank when every rank passes the same batch.
+        """
+        h_prior, h_post, _, _ = self._router_states(batch, n_span=int(batch.num_supervised.max()))
+        self.router.calibrate(h_posterior_BH=h_post, h_prior_BH=h_prior)
+
+    # ------------------------------------------------------------------------------------------
+    # Forward
+    # ------------------------------------------------------------------------------------------
+
+    def forward(self, batch: Batch | None = None, *, mode: str = "train", **kw):
+        """Dispatch on ``mode`` (see the module docstring). Keyword arguments per mode:
+
+        reference/train/encode: ``n_span`` (int, default max n_i of the batch) fixes N.
+        train (Gaussian): ``latent_noise`` (B, S, D) standard-normal draws, or ``generator``; default
+            the global RNG. Passing the noise makes the samples independent of how a global batch is
+            split over ranks and micro-batches.
+        decode: ``input_ids`` (R, S), ``attention_mask`` (R, S) (right padding), ``slot_start`` (R,),
+            and ``latent_index`` (R,) long (discrete) or ``z`` (R, D) (Gaussian); with neither, the
+            rows are decoded as given.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "decode":
+            return self._decode(**kw)
+        if batch is None:
+            raise ValueError(f"mode {mode!r} needs a batch")
+        if batch.num_z_slots != self.config.num_z_slots:
+            raise ValueError(
+                f"batch.num_z_slots={batch.num_z_slots} but the model was built with num_z_slots={self.config.num_z_slots}"
+            )
+        n_span = kw.pop("n_span", None)
+        if n_span is None:
+            n_span = int(batch.num_supervised.max())  # one host sync; pass n_span to avoid it
+        if mode == "reference":
+            if kw:
+                raise ValueError(f"unexpected arguments for mode 'reference': {sorted(kw)}")
+            return self._reference(batch, n_span=n_span)
+        return self._cvae(batch, n_span=n_span, branches=mode == "train", **kw)
+
+    def _lm(self, *, input_ids=None, inputs_embeds=None, attention_mask, hidden: bool = False):
+        return self.peft_model(
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            use_cache=False,
+            output_hidden_states=hidden,
+            return_dict=True,
+        )
+
+    def _reference(self, batch: Batch, *, n_span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # no_grad, never inference_mode: inference tensors cannot mix with a sharded training graph.
+        # disable_adapter() also disables the trainable z rows (and any modules_to_save); harmless,
+        # because the z-free template has no z token.
+        with torch.no_grad(), self.peft_model.disable_adapter():
+            out = self._lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            nll_BT = token_nll(out.logits, batch.labels)  # (B, T-1)
+            return gather_span(nll_BT, batch.labels, n_span=n_span)  # (B, N), (B, N)
+
+    def _router_states(self, batch: Batch, *, n_span: int):
+        """One LoRA-adapted z-free pass -> (h_prior_BH, h_posterior_BH, zfree_nll_BN, mask_BN)."""
+        out = self._lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask, hidden=True)
+        h_BTH = out.hidden_states[-1]  # final (normed) hidden state
+        rows = torch.arange(h_BTH.shape[0], device=h_BTH.device)
+        h_prior = h_BTH[rows, batch.x_close_pos.to(h_BTH.device)]  # (B, H) sees x only
+        h_post = h_BTH[rows, batch.y_close_pos.to(h_BTH.device)]  # (B, H) sees x and y
+        nll_BT = token_nll(out.logits, batch.labels)  # (B, T-1)
+        zfree_nll, mask = gather_span(nll_BT, batch.labels, n_span=n_span)
+        return h_prior, h_post, zfree_nll, mask
+
+    def _cvae(self, batch: Batch, *, n_span: int, branches: bool, latent_noise=None, generator=None, **kw) -> CVAEOutput:
+        if kw:
+            raise ValueError(f"unexpected arguments: {sorted(kw)}")
+        h_prior, h_post, zfree_nll, mask = self._router_states(batch, n_span=n_span)
+        if not self.router.calibrated:
+            # Lazy data-dependent init (documented in from_pretrained): statistics of this first batch.
+            self.router.calibrate(h_posterior_BH=h_post, h_prior_BH=h_prior)
+        common = dict(latent_type=self.config.latent_type, mask=mask, num_supervised=batch.num_supervised, zfree_nll=zfree_nll)
+        B = batch.input_ids.shape[0]
+
+        if self.config.latent_type == "discrete":
+            q_logits, p_logits = self.router(h_posterior_BH=h_post, h_prior_BH=h_prior)  # (B, K) each
+            out = CVAEOutput(
+                **common,
+                kl=categorical_kl(q_logits, p_logits),
+                posterior_entropy=entropy(q_logits),
+                posterior_logits=q_logits,
+                prior_logits=p_logits,
+            )
+            if branches:
+                K = self.config.num_latents
+                latent_index_R = torch.arange(K, device=batch.z_input_ids.device).repeat(B)  # r = i*K + k
+                nll_BKN = self._discrete_branches(batch, latent_index_R=latent_index_R, n_span=n_span).view(B, K, n_span)
+                out.token_nll = nll_BKN
+                out.branch_weights = q_logits.softmax(-1)  # (B, K) differentiable: the exact expectation
+                out.inter_latent_divergence = inter_latent_divergence(nll_BKN, torch.ones_like(q_logits), mask)
+            return out
+
+        mu, logvar, prior_mu, prior_logvar = self.router(h_posterior_BH=h_post, h_prior_BH=h_prior)  # (B, D) each
+        out = CVAEOutput(
+            **common,
+            kl=gaussian_kl(mu, logvar, prior_mu, prior_logvar) if self.config.learned_prior else gaussian_kl(mu, logvar),
+            posterior_entropy=gaussian_entropy(logvar),
+            mu=mu,
+            logvar=logvar,
+            prior_mu=prior_mu,
+            prior_logvar=prior_logvar,
+            posterior_variance=logvar.exp().mean(-1),
+        )
+        if branches:
+            S, D = self.config.num_latent_samples, self.config.latent_dim
+            if latent_noise is None:
+                latent_noise = torch.randn((B, S, D), generator=generator, device=mu.device if generator is None else generator.device)
+            if latent_noise.shape != (B, S, D):
+                raise ValueError(f"latent_noise must be [{B}, {S}, {D}], got {tuple(latent_noise.shape)}")
+            eps = latent_noise.to(device=mu.device, dtype=mu.dtype)
+            z_BSD = mu[:, None] + torch.exp(0.5 * logvar)[:, None] * eps  # reparameterised
+            nll_BKN = self._soft_prompt_branches(batch, z_RD=z_BSD.reshape(B * S, D), n_span=n_span).view(B, S, n_span)
+            out.token_nll = nll_BKN
+            out.branch_weights = torch.full((B, S), 1.0 / S, device=mu.device)
+            out.inter_latent_divergence = inter_latent_divergence(nll_BKN, out.branch_weights, mask)
+            out.z = z_BSD
+        return out
+
+    def _discrete_branches(self, batch: Batch, *, latent_index_R: torch.Tensor, n_span: int) -> torch.Tensor:
+        """Rows r = i*K + k: example i with latent latent_index_R[r] in its slot -> nll_RN."""
+        R = latent_index_R.shape[0]
+        reps = R // batch.z_input_ids.shape[0]
+        ids_RS = batch.z_input_ids.repeat_interleave(reps, 0).clone()
+        latent_ids = torch.tensor(self.tokens.latents, device=ids_RS.device)
+        rows = torch.arange(R, device=ids_RS.device)
+        ids_RS[rows, batch.z_slot_start.to(ids_RS.device).repeat_interleave(reps)] = latent_ids[latent_index_R.to(ids_RS.device)]
+        mask_RS = batch.z_attention_mask.repeat_interleave(reps, 0)
+        labels_RS = batch.z_labels.repeat_interleave(reps, 0)
+        parts = []
+        for c in _chunks(R, self.config.branch_chunk_size):
+            logits = self._lm(input_ids=ids_RS[c], attention_mask=mask_RS[c]).logits  # (r, S, V)
+            parts.append(gather_span(token_nll(logits, labels_RS[c]), labels_RS[c], n_span=n_span)[0])
+        return torch.cat(parts, 0)  # (R, N)
+
+    def _slot_embeds(self, ids_RS: torch.Tensor, slot_start_R: torch.Tensor, z_RD: torch.Tensor) -> torch.Tensor:
+        """Input embeddings with the M slot embeddings offset by the projected z -> (R, S, H)."""
+        embeds = self.peft_model.get_input_embeddings()(ids_RS)  # (R, S, H)
+        M, H = self.config.num_z_slots, embeds.shape[-1]
+        pos_RM = slot_start_R.to(ids_RS.device)[:, None] + torch.arange(M, device=ids_RS.device)
+        index = pos_RM[..., None].expand(-1, -1, H)
+        slots = embeds.gather(1, index) + self.projection(z_RD).to(embeds.dtype)  # (R, M, H)
+        return embeds.scatter(1, index, slots)
+
+    def _soft_prompt_branches(self, batch: Batch, *, z_RD: torch.Tensor, n_span: int) -> torch.Tensor:
+        R = z_RD.shape[0]
+        reps = R // batch.z_input_ids.shape[0]
+        ids_RS = batch.z_input_ids.repeat_interleave(reps, 0)
+        slot_R = batch.z_slot_start.repeat_interleave(reps, 0)
+        mask_RS = batch.z_attention_mask.repeat_interleave(reps, 0)
+        labels_RS = batch.z_labels.repeat_interleave(reps, 0)
+        parts = []
+        for c in _chunks(R, self.config.branch_chunk_size):
+            embeds = self._slot_embeds(ids_RS[c], slot_R[c], z_RD[c])
+            logits = self._lm(inputs_embeds=embeds, attention_mask=mask_RS[c]).logits
+            parts.append(gather_span(token_nll(logits, labels_RS[c]), labels_RS[c], n_span=n_span)[0])
+        return torch.cat(parts, 0)  # (R, N)
+
+    def _decode(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        slot_start: torch.Tensor | None = None,
+        latent_index: torch.Tensor | None = None,
+        z: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Next-token logits (R, V), float32, at the last attended position of each row.
+
+        A full recompute per call (no KV cache): the evaluation calls it a fixed number of times so
+        every rank runs the same number of forwards. Rows must be right-padded.
+        """
+        if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(f"input_ids and attention_mask must both be [R, S], got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+        if (latent_index is not None or z is not None) and slot_start is None:
+            raise ValueError("decode with a latent needs slot_start")
+        if latent_index is not None and z is not None:
+            raise ValueError("pass latent_index (discrete) or z (Gaussian), not both")
+        if z is not None and self.config.latent_type != "continuous":
+            raise ValueError("z is for the Gaussian latent; pass latent_index for the discrete one")
+        R, S = input_ids.shape
+        if latent_index is not None:
+            if self.config.latent_type != "discrete":
+                raise ValueError("latent_index is for the discrete latent; pass z for the Gaussian one")
+            latent_ids = torch.tensor(self.tokens.latents, device=input_ids.device)
+            input_ids = input_ids.clone()
+            input_ids[torch.arange(R, device=input_ids.device), slot_start.to(input_ids.device)] = latent_ids[latent_index.to(input_ids.device)]
+        positions = torch.arange(S, device=input_ids.device)
+        last_R = (attention_mask.long() * positions).argmax(1)  # last position with mask 1
+        with torch.no_grad():
+            parts = []
+            for c in _chunks(R, self.config.branch_chunk_size):
+                if z is not None:
+                    embeds = self._slot_embeds(input_ids[c], slot_start[c], z[c].to(input_ids.device))
+                    logits = self._lm(inputs_embeds=embeds, attention_mask=attention_mask[c]).logits
+                else:
+                    logits = self._lm(input_ids=input_ids[c], attention_mask=attention_mask[c]).logits
+                rows = torch.arange(logits.shape[0], device=logits.device)
+                parts.append(logits[rows, last_R[c]].float())  # (r, V)
+        return torch.cat(parts, 0)
+
+    # ------------------------------------------------------------------------------------------
+    # Optimisation helpers
+    # ------------------------------------------------------------------------------------------
+
+    def _latent_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """z rows (peft's trainable-token delta) + router/prior heads + projection, in a fixed order."""
+        out = [(n, p) for n, p in self.named_parameters() if "trainable_tokens_delta" in n]
+        out += [(f"router.{n}", p) for n, p in self.router.named_parameters()]
+        if self.projection is not None:
+            out += [(f"projection.{n}", p) for n, p in self.projection.named_parameters()]
+        return out
+
+    def _lora_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        latent = {id(p) for _, p in self._latent_named_parameters()}
+        return [(f"peft_model.{n}", p) for n, p in self.peft_model.named_parameters() if p.requires_grad and id(p) not in latent]
+
+    def param_groups(
+        self, *, lora_lr: float, latent_lr: float, weight_decay: float, latent_weight_decay: float | None = None
+    ) -> list[dict]:
+        """Two optimizer groups: "lora" (adapter weights) and "latent" (z rows, router/prior heads,
+        projection). ``latent_weight_decay`` defaults to ``weight_decay``; the prototype used 0 for
+        both. The frozen embedding matrix is in neither group, so weight decay never touches it."""
+        lwd = weight_decay if latent_weight_decay is None else latent_weight_decay
+        return [
+            {"name": "lora", "params": [p for _, p in self._lora_named_parameters()], "lr": lora_lr, "weight_decay": weight_decay},
+            {"name": "latent", "params": [p for _, p in self._latent_named_parameters()], "lr": latent_lr, "weight_decay": lwd},
+        ]
+
+    def check_trainable(self, optimizer_params: Iterable[nn.Parameter]) -> None:
+        """RuntimeError naming every z-row/router/prior/projection (and LoRA) parameter that does not
+        require grad or is missing from ``optimizer_params`` (a parameter never optimised is a bug that
+        looks exactly like posterior collapse). Accepts parameters or param-group dicts."""
+        ids = set()
+        for item in optimizer_params:
+            if isinstance(item, dict):
+                ids.update(id(p) for p in item["params"])
+            else:
+                ids.add(id(item))
+        latent = self._latent_named_parameters()
+        if self.config.latent_type == "discrete" and not any("trainable_tokens_delta" in n for n, _ in latent):
+            raise RuntimeError("no trainable z rows (trainable_tokens_delta) found in the model")
+        bad = [
+            f"{n} ({'requires_grad=False' if not p.requires_grad else 'not in the optimizer'})"
+            for n, p in latent + self._lora_named_parameters()
+            if not p.requires_grad or id(p) not in ids
+        ]
+        if bad:
+            raise RuntimeError(f"parameters that would not be trained: {', '.join(bad)}")

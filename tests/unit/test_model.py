@@ -1,0 +1,308 @@
+"""ZCVAE around tiny Llama and GPT-2 backbones saved with save_pretrained and loaded from disk."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from zcvae.data import build_tokenizer, make_examples
+from zcvae.latent import gaussian_kl
+from zcvae.losses import gather_span, token_nll
+from zcvae.model import ZCVAE, ModelConfig
+from zcvae.templates import collate, encode_examples
+
+
+@pytest.fixture(scope="module")
+def backbones(tmp_path_factory):
+    """{"llama": dir, "gpt2": dir}: random tiny backbones with the word-level tokenizer."""
+    tok = build_tokenizer()
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    models = {
+        "llama": LlamaForCausalLM(
+            LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=128, **ids)
+        ),
+        # GPT-2 ties its output head to the input embedding; its dropout (0.1) must be switched off.
+        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=128, **ids)),
+    }
+    out = {}
+    for name, model in models.items():
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        out[name] = str(path)
+    return out
+
+
+def make_batch(model: ZCVAE, *, num_examples: int = 4, seed: int = 0):
+    examples = make_examples("copy", seed=seed, split="train", num_examples=num_examples)
+    encoded, report = encode_examples(examples, model.tokenizer, model.tokens, max_length=64, num_z_slots=model.config.num_z_slots)
+    assert report.num_kept == num_examples
+    return collate(encoded, model.tokens, num_z_slots=model.config.num_z_slots)
+
+
+def load(backbones, arch: str, *, calibrate: bool = True, **cfg) -> tuple[ZCVAE, object]:
+    config = ModelConfig(**cfg)
+    model = ZCVAE.from_pretrained(backbones[arch], config)
+    batch = make_batch(model)
+    if calibrate:
+        model.calibrate(batch)
+    return model, batch
+
+
+def objective(out) -> torch.Tensor:
+    """A stand-in loss: expected mean token NLL + KL (touches every trainable part)."""
+    mean_nll_BK = (out.token_nll * out.mask[:, None]).sum(-1) / out.mask.sum(-1, keepdim=True)
+    return ((out.branch_weights * mean_nll_BK).sum(-1) + out.kl).mean()
+
+
+def adamw(model: ZCVAE, *, weight_decay: float = 0.0, lr: float = 1e-2):
+    groups = model.param_groups(lora_lr=lr, latent_lr=lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(groups), groups
+
+
+def train_steps(model, batch, num_steps: int, *, weight_decay: float = 0.0, lr: float = 1e-2):
+    opt, groups = adamw(model, weight_decay=weight_decay, lr=lr)
+    model.check_trainable(groups)
+    for _ in range(num_steps):
+        opt.zero_grad()
+        loss = objective(model(batch, mode="train"))
+        assert torch.isfinite(loss)
+        loss.backward()
+        opt.step()
+
+
+def perturb_lora(model: ZCVAE, seed: int = 0) -> None:
+    """Give LoRA B (zero at init) random values, so adapted and base models differ."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def explicit_nll(model: ZCVAE, batch, ids_BS) -> torch.Tensor:
+    logits = model.peft_model(input_ids=ids_BS, attention_mask=batch.z_attention_mask).logits
+    n = int(batch.num_supervised.max())
+    return gather_span(token_nll(logits, batch.z_labels), batch.z_labels, n_span=n)[0]
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _frozen(module):
+    """The frozen matrix under a peft trainable-tokens wrapper (or the module's own weight)."""
+    return getattr(module, "base_layer", module).weight
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_reference_equals_base_model_after_training(backbones, arch):
+    model, batch = load(backbones, arch, num_latents=2)
+    assert model.training and model.peft_model.training
+    ref0, mask0 = model(batch, mode="reference")
+    # An independent copy of the backbone from disk; the rows that from_pretrained added are copied in
+    # (they enter the softmax normaliser), every other weight comes from the file.
+    base = AutoModelForCausalLM.from_pretrained(backbones[arch], local_files_only=True)
+    old = base.get_input_embeddings().weight.shape[0]
+    base.resize_token_embeddings(len(model.tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        base.get_input_embeddings().weight[old:] = _frozen(model.peft_model.get_input_embeddings())[old:]
+        base.get_output_embeddings().weight[old:] = _frozen(model.peft_model.get_output_embeddings())[old:]
+    train_steps(model, batch, 2, weight_decay=0.1)
+
+    ref, mask = model(batch, mode="reference")
+    base.eval()
+    base_logits = base(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    base_nll, base_mask = gather_span(token_nll(base_logits, batch.labels), batch.labels, n_span=ref.shape[1])
+    assert torch.equal(mask, base_mask) and torch.equal(mask, mask0)
+    torch.testing.assert_close(ref, base_nll, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref, ref0, atol=1e-6, rtol=0)
+    assert not ref.requires_grad
+    adapted = model(batch, mode="encode").zfree_nll
+    assert (adapted - ref).abs().max() > 1e-3, "the trained (adapted) model should differ from the reference"
+
+
+def test_gradients_and_frozen_rows_tied_gpt2(backbones):
+    model, batch = load(backbones, "gpt2", num_latents=3)
+    named = dict(model.named_parameters())
+    frozen = {n: p.detach().clone() for n, p in named.items() if not p.requires_grad}
+    assert any("wte" in n for n in frozen), "the embedding matrix must stay frozen"
+    assert any("lm_head" in n or "wte" in n for n in frozen)
+    emb = model.peft_model.get_input_embeddings()
+    all_ids = torch.arange(len(model.tokenizer))
+    rows0 = emb(all_ids).detach().clone()
+    # z rows start as the <znull> row plus noise of norm z_init_noise (0.1) x its norm, each different
+    z = torch.tensor(model.tokens.latents)
+    offsets = rows0[z] - rows0[model.tokens.znull]
+    torch.testing.assert_close(offsets.norm(dim=-1), 0.1 * rows0[model.tokens.znull].norm().expand(3), rtol=1e-4, atol=1e-6)
+    assert torch.pdist(offsets).min() > 0
+
+    objective(model(batch, mode="train")).backward()
+    groups = {g["name"]: g["params"] for g in model.param_groups(lora_lr=1e-3, latent_lr=1e-2, weight_decay=0.1)}
+    lora_b = [p for n, p in named.items() if "lora_B" in n]
+    assert lora_b and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_b)
+    latent = dict(model._latent_named_parameters())
+    for name in ("router.posterior_head.weight", "router.prior_head.weight"):
+        assert latent[name].grad is not None and latent[name].grad.abs().sum() > 0, name
+    delta = [p for n, p in latent.items() if "trainable_tokens_delta" in n]
+    assert len(delta) == 1 and delta[0].shape == (3, 32) and delta[0].grad.abs().sum() > 0
+    assert all(p.grad is None for n, p in named.items() if not p.requires_grad)
+    assert {id(p) for p in groups["latent"]}.isdisjoint({id(p) for p in groups["lora"]})
+
+    model.zero_grad()
+    train_steps(model, batch, 3, weight_decay=0.1)
+    for n, p in dict(model.named_parameters()).items():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), f"frozen parameter {n} changed"
+    rows = emb(all_ids).detach()
+    keep = torch.ones(len(all_ids), dtype=torch.bool)
+    keep[z] = False
+    assert torch.equal(rows[keep], rows0[keep]), "a non-z embedding row changed"
+    assert (rows[z] - rows0[z]).abs().amax(-1).min() > 0, "every z row should have trained"
+    # tied head: z rows of the output head follow the trained input rows
+    h = torch.randn(1, 32)
+    logits = model.peft_model.get_output_embeddings()(h)
+    torch.testing.assert_close(logits[0, z], (h @ rows[z].T)[0])
+
+
+def test_discrete_branches_equal_loop_chunks_and_decode(backbones):
+    model, batch = load(backbones, "llama", num_latents=3)
+    perturb_lora(model)
+    with torch.no_grad():
+        for n, p in model._latent_named_parameters():
+            if "trainable_tokens_delta" in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        out = model(batch, mode="train")
+        assert out.token_nll.shape == (4, 3, int(batch.num_supervised.max()))
+        rows = torch.arange(len(batch))
+        for k, latent_id in enumerate(model.tokens.latents):
+            ids = batch.z_input_ids.clone()
+            ids[rows, batch.z_slot_start] = latent_id
+            torch.testing.assert_close(out.token_nll[:, k], explicit_nll(model, batch, ids), atol=1e-5, rtol=1e-5)
+            # decode writes latent k into the <znull> slot and returns the logits at the last attended position
+            logits = model.peft_model(input_ids=ids, attention_mask=batch.z_attention_mask).logits
+            last = batch.z_attention_mask.sum(1) - 1
+            dec = model(mode="decode", input_ids=batch.z_input_ids, attention_mask=batch.z_attention_mask,
+                        slot_start=batch.z_slot_start, latent_index=torch.full((len(batch),), k))
+            torch.testing.assert_close(dec, logits[rows, last], atol=1e-5, rtol=1e-5)
+        assert (out.inter_latent_divergence > 0).all()
+        for chunk in (1, 5):
+            model.config.branch_chunk_size = chunk
+            torch.testing.assert_close(model(batch, mode="train").token_nll, out.token_nll, atol=1e-5, rtol=1e-5)
+
+
+def test_step0_router_is_uniform_and_batch_independent(backbones):
+    for calibrate in (True, False):  # False: lazy calibration at the first train forward
+        model, batch = load(backbones, "llama", calibrate=calibrate, num_latents=4)
+        out = model(batch, mode="train")
+        assert model.router.calibrated
+        uniform = torch.full((len(batch), 4), 0.25)
+        torch.testing.assert_close(out.posterior, uniform, atol=1e-6, rtol=0)
+        torch.testing.assert_close(out.prior, uniform, atol=1e-6, rtol=0)
+        torch.testing.assert_close(out.branch_weights, uniform, atol=1e-6, rtol=0)
+        assert torch.allclose(out.kl, torch.zeros(len(batch)), atol=1e-6)
+    # After training the heads, an example's q does not depend on its micro-batch neighbours.
+    train_steps(model, batch, 2)
+    with torch.no_grad():
+        full = model(batch, mode="encode").posterior_logits
+        part = model(batch.select([2, 0]), mode="encode").posterior_logits
+    assert (full.softmax(-1) - 0.25).abs().max() > 1e-4, "the posterior should have moved"
+    torch.testing.assert_close(part, full[[2, 0]], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_gaussian_loads_trains_and_kl_matches_formula(backbones, arch):
+    model, batch = load(backbones, arch, latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=2)
+    B = len(batch)
+    noise = torch.randn(B, 2, 4, generator=torch.Generator().manual_seed(0))
+    out = model(batch, mode="train", latent_noise=noise)
+    assert out.token_nll.shape == (B, 2, int(batch.num_supervised.max()))
+    torch.testing.assert_close(out.branch_weights, torch.full((B, 2), 0.5))
+    assert torch.allclose(out.kl, torch.zeros(B), atol=1e-6), "KL starts at 0"
+    # the soft prompt starts as <znull> + a small offset: close to the <znull> template's NLL
+    with torch.no_grad():
+        znull = explicit_nll(model, batch, batch.z_input_ids)
+    assert (out.token_nll - znull[:, None]).abs().max() < 0.5
+    train_steps(model, batch, 2)
+    out = model(batch, mode="train", latent_noise=noise)
+    mu, lv, pmu, plv = out.mu, out.logvar, out.prior_mu, out.prior_logvar
+    hand = 0.5 * (plv - lv + (lv.exp() + (mu - pmu) ** 2) / plv.exp() - 1).sum(-1)
+    assert out.kl.abs().max() > 0
+    torch.testing.assert_close(out.kl, hand, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out.posterior_variance, lv.exp().mean(-1))
+    torch.testing.assert_close(out.z, mu[:, None] + (0.5 * lv).exp()[:, None] * noise)
+    # the same noise gives the same branches (no hidden randomness), decode reproduces a branch row
+    with torch.no_grad():
+        again = model(batch, mode="train", latent_noise=noise)
+        torch.testing.assert_close(again.token_nll, out.token_nll)
+        z0 = out.z[:, 0]
+        dec = model(mode="decode", input_ids=batch.z_input_ids, attention_mask=batch.z_attention_mask,
+                    slot_start=batch.z_slot_start, z=z0)
+        assert dec.shape == (B, len(model.tokenizer)) and torch.isfinite(dec).all()
+
+
+def test_gaussian_standard_normal_prior(backbones):
+    model, batch = load(backbones, "llama", latent_type="continuous", latent_dim=3, learned_prior=False)
+    assert not any("prior" in n for n, _ in model._latent_named_parameters())
+    train_steps(model, batch, 2)
+    out = model(batch, mode="encode")
+    torch.testing.assert_close(out.kl, gaussian_kl(out.mu, out.logvar))
+    assert out.token_nll is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_discrete_loads_and_trains_a_step(backbones, arch):
+    model, batch = load(backbones, arch, num_latents=2, gradient_checkpointing=True, branch_chunk_size=3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    train_steps(model, batch, 1)
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert any("trainable_tokens_delta" in n for n in changed) and any("lora_B" in n for n in changed)
+    assert any("router.posterior_head" in n for n in changed)
+
+
+def test_check_trainable_names_missing_parameter(backbones):
+    model, _ = load(backbones, "llama", num_latents=2)
+    groups = model.param_groups(lora_lr=1e-3, latent_lr=1e-2, weight_decay=0.0)
+    assert [g["name"] for g in groups] == ["lora", "latent"]
+    model.check_trainable(groups)
+    head = model.router.prior_head.weight
+    params = [p for g in groups for p in g["params"] if p is not head]
+    with pytest.raises(RuntimeError, match=r"router\.prior_head\.weight \(not in the optimizer\)"):
+        model.check_trainable(params)
+    model.router.posterior_head.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"router\.posterior_head\.weight \(requires_grad=False\)"):
+        model.check_trainable([p for g in groups for p in g["params"]])
+
+
+def test_bad_configuration(backbones, tmp_path):
+    with pytest.raises(ValueError, match="latent_type"):
+        ModelConfig(latent_type="vq")
+    with pytest.raises(ValueError, match="num_latents"):
+        ModelConfig(num_latents=0)
+    with pytest.raises(ValueError, match="num_z_slots"):
+        ModelConfig(latent_type="discrete", num_z_slots=2)
+    with pytest.raises(ValueError, match="branch_chunk_size"):
+        ModelConfig(branch_chunk_size=0)
+    with pytest.raises(ValueError, match="lora_dropout"):
+        ModelConfig(lora_dropout=1.0)
+    with pytest.raises(ValueError, match="bogus"):
+        ModelConfig.from_dict({"num_latents": 2, "bogus": 1})
+    assert ModelConfig.from_dict(ModelConfig(num_latents=5).to_dict()).num_latents == 5
+    missing = tmp_path / "no_such_backbone"
+    with pytest.raises(ValueError, match="no_such_backbone"):
+        ZCVAE.from_pretrained(str(missing), ModelConfig())
+    with pytest.raises(ValueError, match="lora_target_modules"):
+        from zcvae.model import default_lora_targets
+
+        default_lora_targets("mamba")
+    model, batch = load(backbones, "llama", calibrate=False, num_latents=2)
+    with pytest.raises(ValueError, match="mode"):
+        model(batch, mode="generate")
+    with pytest.raises(ValueError, match="num_z_slots"):
+        model(dataclasses.replace(batch, num_z_slots=2), mode="train")
+    assert math.isfinite(float(model(batch, mode="reference")[0].sum()))
