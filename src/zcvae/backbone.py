@@ -1,0 +1,677 @@
+"""Pretrain the tiny entangled backbone that the CVAE starts from.
+
+The backbone is an ordinary causal LM fit to the mixture of strategies: given x it spreads its
+probability over the strategies (the first y token names one), so the strategy is *entangled* in the
+model rather than exposed as a variable. The CVAE later learns a z that pulls the strategies apart.
+
+Two templates are mixed during pretraining (``z_template_share`` of the examples, drawn per row and
+per step, take the second)::
+
+    <bos> <x> {x} </x> <y> {y} </y> <eos>                       z-free: the reference's input
+    <bos> <x> {x} </x> <z> <znull> </z> <y> {y} </y> <eos>      z-shaped, <znull> in the slot
+
+Why both: in the prototype a backbone pretrained on the z-free template alone went from 1.9 to 32
+nats of y NLL when a z section was inserted, and LoRA did not repair it; with half of the examples in
+the z-shaped template the CVAE's z rows can start as the ``<znull>`` row and the decoder reads them.
+
+Loss: mean token NLL over the supervised span (y and ``</y>``), fp32, AdamW, linear warm-up then
+cosine decay to ``min_lr_ratio`` of the peak. The checkpoint is a standard Hugging Face directory
+(``config.json``, ``model.safetensors``, tokenizer files) plus ``pretrain_summary.json``; it is written
+to ``output_dir + ".tmp"`` and renamed, so ``is_pretrained`` never accepts a half-written directory.
+
+Run (2 CPU cores; about 1-2 minutes for the defaults on the default task)::
+
+    python -m zcvae.backbone output_dir=runs/backbone max_steps=1500
+
+Shape legend: B batch, T sequence length, V vocabulary, P prompt length, G generated tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from zcvae.templates import (
+    IGNORE_INDEX,
+    NUM_FRAME_TOKENS,
+    Batch,
+    EncodedExample,
+    TemplateTokens,
+    collate,
+    encode_examples,
+    prepare_tokenizer,
+)
+
+SUMMARY_FILE = "pretrain_summary.json"
+# Files a finished checkpoint directory must hold; the summary is written last.
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", SUMMARY_FILE)
+TEMPLATES = ("zfree", "znull")
+
+
+@dataclass
+class PretrainConfig:
+    """How to pretrain the backbone. ``from_dict`` rejects unknown keys; fields are checked on creation."""
+
+    task: str | None = None
+    """A built-in task (``zcvae.data.TASKS``); DEFAULT_TASK when neither task nor train_data is given."""
+    train_data: str | None = None
+    """A JSONL file of the user's own examples (``{"id","x","y","strategy"?}``) instead of ``task``."""
+    val_data: str | None = None
+    """Validation JSONL for ``train_data``; without it the last ``num_val_examples`` lines (at most a
+    tenth of the file) are held out."""
+    output_dir: str = "runs/backbone"
+    """Where the checkpoint goes (replaced if it exists)."""
+    max_steps: int = 1200
+    """Optimizer steps."""
+    batch_size: int = 64
+    learning_rate: float = 1.5e-3
+    """Peak learning rate after warm-up."""
+    warmup_steps: int = 100
+    """Linear warm-up from 0 to ``learning_rate``."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay; 0 because a 1M model fit in ~1k steps does not overfit 20k examples."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at ``min_lr_ratio * learning_rate``."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+    num_train_examples: int = 20000
+    """Examples generated for a built-in task (ignored with ``train_data``)."""
+    num_val_examples: int = 500
+    """Validation examples (generated, or held out of ``train_data`` when there is no ``val_data``)."""
+    z_template_share: float = 0.5
+    """Share of training rows in the z-shaped template with ``<znull>`` in the slot."""
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 512
+    max_length: int = 64
+    """Bound on the z-shaped sequence in tokens (the longer template); see ``zcvae.templates``."""
+    seed: int = 0
+    """Seeds the model initialisation, the data order, the template draw and the generated task data."""
+    log_every: int = 100
+    """Steps between progress lines."""
+    eval_every: int = 0
+    """Steps between validation y-NLL lines (z-free template, nats per sequence); 0: only at the end."""
+    num_decode_examples: int = 64
+    """Validation x decoded (greedy and sampled) after training to count strategies; 0 skips."""
+    device: str = "auto"
+    """"auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:1", ..."""
+
+    def __post_init__(self) -> None:
+        if self.task is not None and self.train_data is not None:
+            raise ValueError("task and train_data are exclusive: give a built-in task or a JSONL path, not both")
+        if self.val_data is not None and self.train_data is None:
+            raise ValueError("val_data needs train_data (a built-in task generates its own validation split)")
+        if self.task is None and self.train_data is None:
+            from zcvae.data import DEFAULT_TASK
+
+            self.task = DEFAULT_TASK
+        if self.task is not None:
+            from zcvae.data import get_task
+
+            try:
+                get_task(self.task)
+            except ValueError as error:
+                raise ValueError(f"task: {error}") from None
+        for name in ("max_steps", "batch_size", "num_train_examples", "num_val_examples", "hidden_size",
+                     "num_layers", "num_heads", "intermediate_size", "log_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("warmup_steps", "eval_every", "num_decode_examples", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not self.grad_clip >= 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 disables), got {self.grad_clip!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not 0.0 <= self.z_template_share <= 1.0:
+            raise ValueError(f"z_template_share must be in [0, 1], got {self.z_template_share!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"head dim hidden_size/num_heads={self.hidden_size // self.num_heads} must be even (RoPE)")
+        # One z slot; at least one x and one y token.
+        if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < NUM_FRAME_TOKENS + 3:
+            raise ValueError(f"max_length must be an int >= {NUM_FRAME_TOKENS + 3}, got {self.max_length!r}")
+        if not isinstance(self.output_dir, str) or not self.output_dir.strip("/ "):
+            raise ValueError(f"output_dir must be a non-empty path, got {self.output_dir!r}")
+        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "PretrainConfig":
+        """A config from a mapping; ValueError naming any unknown key."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown PretrainConfig key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def tiny_llama_config(
+    vocab_size: int,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 128,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> LlamaConfig:
+    """A Llama config for a ~1M-parameter model (the defaults) with full multi-head attention."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=False,
+        use_cache=True,
+    )
+
+
+def is_pretrained(output_dir: str | os.PathLike) -> bool:
+    """Whether ``output_dir`` holds a finished backbone checkpoint (all files, readable summary)."""
+    path = Path(output_dir)
+    if not path.is_dir() or not all((path / name).is_file() for name in CHECKPOINT_FILES):
+        return False
+    try:
+        summary = json.loads((path / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("finished") is True
+
+
+# ---- pure pieces ---------------------------------------------------------------------------------
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr for the update number ``step`` (0-based): linear warm-up, cosine to min."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def span_nll(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token NLL (nats) of the supervised labels; logits at t predict labels at t + 1.
+
+    Returns ``nll_BT`` (0 where unsupervised; position t scores the label at t + 1) and ``mask_BT``.
+    """
+    logits_BTV = logits_BTV[:, :-1].float()
+    target_BT = labels_BT[:, 1:]
+    mask_BT = target_BT != IGNORE_INDEX
+    nll_BT = F.cross_entropy(
+        logits_BTV.reshape(-1, logits_BTV.shape[-1]),
+        target_BT.clamp_min(0).reshape(-1),
+        reduction="none",
+    ).view_as(target_BT)
+    return nll_BT * mask_BT, mask_BT
+
+
+def mix_templates(
+    batch: Batch, use_z_B: torch.Tensor, *, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels), each (B, T): row i in the z-shaped template where use_z_B[i].
+
+    Both templates are right-padded, so the z-free rows are padded out to the z-shaped width and the
+    result is trimmed to the longest row kept.
+    """
+    width = batch.z_input_ids.shape[1]
+    grow = width - batch.input_ids.shape[1]
+    pick = use_z_B[:, None]
+    ids = torch.where(pick, batch.z_input_ids, F.pad(batch.input_ids, (0, grow), value=pad_id))
+    mask = torch.where(pick, batch.z_attention_mask, F.pad(batch.attention_mask, (0, grow), value=0))
+    labels = torch.where(pick, batch.z_labels, F.pad(batch.labels, (0, grow), value=IGNORE_INDEX))
+    keep = int(mask.sum(1).max())
+    return ids[:, :keep], mask[:, :keep], labels[:, :keep]
+
+
+# ---- data ----------------------------------------------------------------------------------------
+
+
+def _load_data(config: PretrainConfig):
+    """(tokenizer, tokens, train examples, val examples, task family or None)."""
+    from zcvae.data import build_tokenizer, get_task, make_examples, read_jsonl
+
+    if config.task is not None:
+        task = get_task(config.task)
+        train = make_examples(task, seed=config.seed, split="train", num_examples=config.num_train_examples)
+        val = make_examples(task, seed=config.seed, split="val", num_examples=config.num_val_examples)
+        tokenizer = build_tokenizer()
+    else:
+        task = None
+        train = read_jsonl(config.train_data)
+        if config.val_data is not None:
+            val = read_jsonl(config.val_data)
+        else:
+            num_val = min(config.num_val_examples, len(train) // 10)
+            if num_val < 1:
+                raise ValueError(
+                    f"train_data {config.train_data!r} has {len(train)} examples: too few to hold out "
+                    "validation examples; give val_data"
+                )
+            train, val = train[:-num_val], train[-num_val:]
+        words = sorted({w for ex in [*train, *val] for w in (*ex.x.split(), *ex.y.split())})
+        tokenizer = build_tokenizer(extra_words=words)
+    tokens = prepare_tokenizer(tokenizer, num_latents=0)
+    return tokenizer, tokens, train, val, task
+
+
+def _encode(examples, tokenizer, tokens, *, max_length: int, what: str, log) -> list[EncodedExample]:
+    encoded, report = encode_examples(examples, tokenizer, tokens, max_length=max_length, num_z_slots=1)
+    if report.num_skipped or report.num_x_truncated or report.num_unknown_tokens:
+        log(
+            f"{what}: kept {report.num_kept}/{report.num_examples}, skipped {report.num_skipped}, "
+            f"x truncated {report.num_x_truncated}, unknown tokens {report.num_unknown_tokens}"
+            + (f"; first skip: {report.skipped[0]}" if report.skipped else "")
+        )
+    if not encoded:
+        raise ValueError(f"{what}: no example fits max_length={max_length}")
+    return encoded
+
+
+# ---- evaluation ----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate_nll(model, examples: Sequence[EncodedExample], tokens: TemplateTokens, *, batch_size: int = 256) -> dict:
+    """Validation y-sequence NLL under both templates (``<znull>`` in the z slot for "znull").
+
+    Per template: ``nll_per_example`` (nats per sequence: the sum over y and ``</y>``, averaged over
+    examples), ``nll_per_token`` (total nats / total tokens), ``first_token_nll`` (nats on the first y
+    token, where the strategy is chosen) and the same per gold strategy when examples carry one.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    seq: dict[str, list[torch.Tensor]] = {t: [] for t in TEMPLATES}
+    first: dict[str, list[torch.Tensor]] = {t: [] for t in TEMPLATES}
+    count: list[torch.Tensor] = []
+    for start in range(0, len(examples), batch_size):
+        batch = collate(list(examples[start : start + batch_size]), tokens).to(device)
+        count.append(batch.num_supervised.cpu())
+        for template in TEMPLATES:
+            if template == "zfree":
+                ids, mask, labels = batch.input_ids, batch.attention_mask, batch.labels
+            else:
+                ids, mask, labels = batch.z_input_ids, batch.z_attention_mask, batch.z_labels
+            nll_BT, mask_BT = span_nll(model(input_ids=ids, attention_mask=mask).logits, labels)
+            seq[template].append(nll_BT.sum(1).cpu())
+            first_pos_B = mask_BT.int().argmax(1)
+            first[template].append(nll_BT.gather(1, first_pos_B[:, None])[:, 0].cpu())
+    model.train(was_training)
+
+    n_B = torch.cat(count).double()
+    strategies = [ex.strategy for ex in examples]
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(strategies):
+        if s is not None:
+            groups[s].append(i)
+
+    def stats(seq_B: torch.Tensor, first_B: torch.Tensor, idx: list[int] | None) -> dict:
+        if idx is not None:
+            sel = torch.as_tensor(idx)
+            seq_B, first_B, m_B = seq_B[sel], first_B[sel], n_B[sel]
+        else:
+            m_B = n_B
+        return {
+            "num_examples": int(seq_B.numel()),
+            "nll_per_example": float(seq_B.mean()),
+            "nll_per_token": float(seq_B.sum() / m_B.sum()),
+            "first_token_nll": float(first_B.mean()),
+            "mean_num_tokens": float(m_B.mean()),
+        }
+
+    out = {}
+    for template in TEMPLATES:
+        seq_B, first_B = torch.cat(seq[template]).double(), torch.cat(first[template]).double()
+        entry = stats(seq_B, first_B, None)
+        if groups:
+            entry["per_strategy"] = {s: stats(seq_B, first_B, idx) for s, idx in sorted(groups.items())}
+        out[template] = entry
+    return out
+
+
+def _cache_kwarg(model) -> str:
+    # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes in 5.40).
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+@torch.no_grad()
+def generate_y(
+    model,
+    examples: Sequence[EncodedExample],
+    tokens: TemplateTokens,
+    *,
+    template: str,
+    max_length: int,
+    max_new_tokens: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """y token ids (without ``</y>``) decoded after each example's prompt; greedy unless ``generator``.
+
+    Prompts end with ``<y>``; decoding stops at ``</y>``, after ``max_new_tokens`` or where the sequence
+    would pass ``max_length`` (the length policy of training). Prompts are
+    grouped by length so no padding is needed.
+    """
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    prompts = []
+    for ex in examples:
+        z = [tokens.z_open, tokens.znull, tokens.z_close] if template == "znull" else []
+        prompts.append([tokens.bos, tokens.x_open, *ex.x_ids, tokens.x_close, *z, tokens.y_open])
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for i, p in enumerate(prompts):
+        by_length[len(p)].append(i)
+    if max_new_tokens is None:
+        max_new_tokens = max_length
+    result: list[list[int]] = [[] for _ in prompts]
+    for length, rows in sorted(by_length.items()):
+        ids_BP = torch.tensor([prompts[i] for i in rows], device=device)
+        # room left for y, </y> and <eos> within max_length
+        out = model(input_ids=ids_BP, use_cache=True)
+        cache, logits_BV = _cache_of(out), out.logits[:, -1]
+        done_B = torch.zeros(len(rows), dtype=torch.bool, device=device)
+        steps: list[torch.Tensor] = []
+        for _ in range(max(1, min(max_new_tokens, max_length - length - 1))):
+            if generator is None:
+                next_B = logits_BV.argmax(-1)
+            else:
+                probs_BV = logits_BV.float().softmax(-1).cpu()
+                next_B = torch.multinomial(probs_BV, 1, generator=generator)[:, 0].to(device)
+            next_B = torch.where(done_B, torch.full_like(next_B, tokens.y_close), next_B)
+            steps.append(next_B)
+            done_B |= next_B == tokens.y_close
+            if bool(done_B.all()):
+                break
+            out = model(input_ids=next_B[:, None], use_cache=True, **{_cache_kwarg(model): cache})
+            cache, logits_BV = _cache_of(out), out.logits[:, -1]
+        gen_BG = torch.stack(steps, 1).cpu().tolist()
+        for row, i in zip(gen_BG, rows):
+            result[i] = row[: row.index(tokens.y_close)] if tokens.y_close in row else row
+    model.train(was_training)
+    return result
+
+
+def decoding_report(
+    model, tokenizer, examples: Sequence[EncodedExample], tokens: TemplateTokens, task, *, max_length: int, seed: int
+) -> dict:
+    """Strategy frequencies, parse rate and answer accuracy of greedy and sampled decoding, per template."""
+    x_text = [tokenizer.decode(list(ex.x_ids)) for ex in examples]
+    report: dict = {}
+    for template in TEMPLATES:
+        for mode in ("greedy", "sampled"):
+            generator = torch.Generator().manual_seed(seed) if mode == "sampled" else None
+            ys = generate_y(model, examples, tokens, template=template, max_length=max_length, generator=generator)
+            counts: Counter = Counter()
+            num_parse_ok = num_correct = 0
+            for x, y_ids in zip(x_text, ys):
+                parsed = task.parse(tokenizer.decode(y_ids))
+                counts[parsed.strategy if parsed.strategy is not None else "unparsed"] += 1
+                num_parse_ok += parsed.parse_ok
+                num_correct += parsed.parse_ok and parsed.answer == task.answer(x)
+            n = max(1, len(examples))
+            report.setdefault(template, {})[mode] = {
+                "strategy_freq": {s: counts[s] / n for s in sorted(counts)},
+                "parse_ok": num_parse_ok / n,
+                "answer_accuracy": num_correct / n,
+            }
+    return report
+
+
+# ---- training ------------------------------------------------------------------------------------
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _available_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def _free_cores() -> int:
+    """Cores not already busy (1-minute load average), at least 1.
+
+    Why not all of them: a tiny model's ops are short, and OpenMP threads that share a core with
+    another process spin-wait on each other; on 2 loaded cores 2 threads ran 20x slower than 1.
+    """
+    cores = _available_cores()
+    try:
+        busy = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        busy = 0.0
+    return max(1, min(cores, cores - int(busy + 0.5)))
+
+
+def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> dict:
+    """Train the backbone, write the checkpoint to ``config.output_dir`` and return the summary.
+
+    The summary (also ``pretrain_summary.json``) holds the resolved config, steps, wall time, the
+    validation y NLL per template before and after training (nats per sequence and per token, per
+    strategy), the floor ``log S`` nats per sequence for a built-in task with S strategies revealed by
+    the first y token, and the decoding report when a task parser is available.
+    """
+    previous_threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(_free_cores())
+    try:
+        return _pretrain(config, log=log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
+    start_time = time.perf_counter()
+    device = _resolve_device(config.device)
+    tokenizer, tokens, train_ex, val_ex, task = _load_data(config)
+    train = _encode(train_ex, tokenizer, tokens, max_length=config.max_length, what="train", log=log)
+    val = _encode(val_ex, tokenizer, tokens, max_length=config.max_length, what="val", log=log)
+    # One collated copy of the whole training set; each step selects rows and trims padding columns.
+    train_all = collate(train, tokens)
+
+    torch.manual_seed(config.seed)
+    model_config = tiny_llama_config(
+        len(tokenizer),
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=max(128, config.max_length),
+        bos_token_id=tokens.bos,
+        eos_token_id=tokens.eos,
+        pad_token_id=tokens.pad,
+    )
+    model = LlamaForCausalLM(model_config).to(device=device, dtype=torch.float32)
+    num_params = sum(p.numel() for p in model.parameters())
+    log(
+        f"backbone: {num_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}, "
+        f"{len(train)} train / {len(val)} val examples, device {device}, {torch.get_num_threads()} threads"
+    )
+    initial = evaluate_nll(model, val, tokens)
+
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.learning_rate,
+        betas=(0.9, 0.95),
+        fused=False,
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_multiplier(
+            step, warmup_steps=config.warmup_steps, max_steps=config.max_steps, min_lr_ratio=config.min_lr_ratio
+        ),
+    )
+    data_rng = torch.Generator().manual_seed(config.seed)
+    order: list[int] = []
+    model.train()
+    train_start, train_cpu_start = time.perf_counter(), time.process_time()
+    window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, train_start
+    total_tokens = 0
+    for step in range(1, config.max_steps + 1):
+        if len(order) < config.batch_size:
+            order += torch.randperm(len(train), generator=data_rng).tolist()
+        rows, order = order[: config.batch_size], order[config.batch_size :]
+        batch = train_all.select(rows)
+        use_z_B = torch.rand(len(rows), generator=data_rng) < config.z_template_share
+        ids_BT, mask_BT, labels_BT = (t.to(device) for t in mix_templates(batch, use_z_B, pad_id=tokens.pad))
+
+        logits_BTV = model(input_ids=ids_BT, attention_mask=mask_BT).logits
+        nll_BT, sup_BT = span_nll(logits_BTV, labels_BT)
+        loss = nll_BT.sum() / sup_BT.sum()  # mean token NLL over y and </y>
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        schedule.step()
+
+        window_loss += float(loss.detach())
+        window_steps += 1
+        num_tokens = int(mask_BT.sum())
+        window_tokens += num_tokens
+        total_tokens += num_tokens
+        if step % config.log_every == 0 or step == config.max_steps:
+            now = time.perf_counter()
+            log(
+                f"step {step}/{config.max_steps} loss {window_loss / window_steps:.4f} "
+                f"lr {schedule.get_last_lr()[0]:.2e} tokens/s {window_tokens / max(now - window_start, 1e-9):.0f} "
+                f"elapsed {now - train_start:.1f}s"
+            )
+            window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, now
+        if config.eval_every and step % config.eval_every == 0 and step != config.max_steps:
+            zf = evaluate_nll(model, val, tokens)["zfree"]
+            log(f"step {step} val y NLL {zf['nll_per_example']:.3f} nats/sequence (first token {zf['first_token_nll']:.3f})")
+            window_start = time.perf_counter()  # keep evaluation out of tokens/s
+    train_time = time.perf_counter() - train_start
+    # CPU seconds of this process: on a shared machine, a steadier measure of cost than wall time.
+    train_cpu_time = time.process_time() - train_cpu_start
+
+    final = evaluate_nll(model, val, tokens)
+    floor = math.log(len(task.strategies)) if task is not None else None
+    summary: dict = {
+        "finished": True,
+        "config": config.to_dict(),
+        "num_parameters": num_params,
+        "num_steps": config.max_steps,
+        "num_train_examples": len(train),
+        "num_val_examples": len(val),
+        "train_time_s": train_time,
+        "train_cpu_time_s": train_cpu_time,
+        "num_threads": torch.get_num_threads(),
+        "train_tokens_per_s": total_tokens / max(train_time, 1e-9),
+        "val_initial": initial,
+        "val": final,
+        # With S equiprobable strategies named by the first y token and the rest deterministic, the best
+        # possible y-sequence NLL is log S nats (all of it on the first token).
+        "floor_nll_per_example": floor,
+    }
+    if task is not None and config.num_decode_examples > 0:
+        summary["decoding"] = decoding_report(
+            model, tokenizer, val[: config.num_decode_examples], tokens, task,
+            max_length=config.max_length, seed=config.seed,
+        )
+    summary["wall_time_s"] = time.perf_counter() - start_time
+    _write_checkpoint(model, tokenizer, summary, config.output_dir)
+    zf, zn = final["zfree"], final["znull"]
+    log(
+        f"done in {summary['wall_time_s']:.1f}s: val y NLL z-free {zf['nll_per_example']:.3f} "
+        f"(first token {zf['first_token_nll']:.3f}), znull {zn['nll_per_example']:.3f} nats/sequence"
+        + (f", floor {floor:.3f}" if floor is not None else "")
+        + f"; wrote {config.output_dir}"
+    )
+    if "decoding" in summary:
+        for template, modes in summary["decoding"].items():
+            for mode, d in modes.items():
+                freq = ", ".join(f"{s} {f:.2f}" for s, f in d["strategy_freq"].items())
+                log(f"decode {template} {mode}: {freq}; parse_ok {d['parse_ok']:.2f} answer acc {d['answer_accuracy']:.2f}")
+    return summary
+
+
+def _write_checkpoint(model, tokenizer, summary: dict, output_dir: str) -> None:
+    """Write into ``output_dir.tmp`` (summary last), then swap it in with renames."""
+    final = Path(output_dir)
+    tmp = final.with_name(final.name + ".tmp")
+    old = final.with_name(final.name + ".old")
+    for stale in (tmp, old):
+        if stale.exists():
+            shutil.rmtree(stale)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _parse_value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return None if text in ("None", "null") else text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m zcvae.backbone key=value ...`` (keys of PretrainConfig)."""
+    values = {}
+    for arg in sys.argv[1:] if argv is None else argv:
+        key, sep, text = arg.partition("=")
+        if not sep:
+            raise SystemExit(f"expected key=value, got {arg!r}")
+        values[key.strip().lstrip("-").replace("-", "_")] = _parse_value(text)
+    pretrain(PretrainConfig.from_dict(values))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
