@@ -8,8 +8,8 @@ mode, c_base fingerprint, engine, latent shape) and corrupt/truncated files name
 from __future__ import annotations
 
 import json
-import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +78,15 @@ def config(**overrides) -> dict:
     return {**cfg, **overrides}
 
 
+@pytest.fixture(scope="module")
+def saved(backbone, tmp_path_factory):
+    """(engine, checkpoint directory holding step 1): loads that fail or saves elsewhere leave both as they are."""
+    model, engine = make_engine(backbone)
+    manager = CheckpointManager(tmp_path_factory.mktemp("saved") / "checkpoints", keep=1, is_main=True)
+    manager.save(engine, step=1, config=config(), c_base=C_BASE)
+    return engine, manager.directory
+
+
 def trainable(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -111,8 +120,8 @@ def test_resume_is_bitwise(backbone, tmp_path):
         assert torch.equal(dict(model2.named_parameters())[name], value), f"{name} differs after the resumed step"
 
 
-def test_auto_skips_crashed_saves_and_keeps_last_n(backbone, tmp_path):
-    model, engine = make_engine(backbone)
+def test_auto_skips_crashed_saves_and_keeps_last_n(saved, tmp_path):
+    engine, _ = saved
     manager = CheckpointManager(tmp_path / "checkpoints", keep=2, is_main=True)
     for step in (1, 2, 3):
         manager.save(engine, step=step, config=config(), c_base=C_BASE)
@@ -153,9 +162,9 @@ class CrashingEngine:
 
 
 @pytest.mark.parametrize("crash_at", [1, 2])
-def test_crash_mid_save_leaves_the_previous_checkpoint(backbone, tmp_path, crash_at):
+def test_crash_mid_save_leaves_the_previous_checkpoint(saved, tmp_path, crash_at):
     """Barrier 1 follows the directory creation, barrier 2 the files (before COMPLETE and the rename)."""
-    model, engine = make_engine(backbone)
+    engine, _ = saved
     manager = CheckpointManager(tmp_path / "checkpoints", keep=3, is_main=True)
     manager.save(engine, step=1, config=config(), c_base=C_BASE)
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -177,18 +186,16 @@ def test_crash_mid_save_leaves_the_previous_checkpoint(backbone, tmp_path, crash
         (dict(num_latents=3), r"num_latents changed.*2.*3"),
     ],
 )
-def test_resume_refuses_a_changed_run(backbone, tmp_path, changed, match):
-    model, engine = make_engine(backbone)
-    manager = CheckpointManager(tmp_path / "checkpoints", keep=1, is_main=True)
-    manager.save(engine, step=1, config=config(), c_base=C_BASE)
+def test_resume_refuses_a_changed_run(saved, changed, match):
+    engine, directory = saved
+    manager = CheckpointManager(directory, keep=1, is_main=True)
     with pytest.raises(ValueError, match=match):
         manager.load(engine, "auto", config=config(**changed), c_base=C_BASE)
 
 
-def test_resume_refuses_another_c_base(backbone, tmp_path):
-    model, engine = make_engine(backbone)
-    manager = CheckpointManager(tmp_path / "checkpoints", keep=1, is_main=True)
-    manager.save(engine, step=1, config=config(), c_base=C_BASE)
+def test_resume_refuses_another_c_base(saved):
+    engine, directory = saved
+    manager = CheckpointManager(directory, keep=1, is_main=True)
     with pytest.raises(ValueError, match="c_base changed.*abc123.*zzz"):
         manager.load(engine, "auto", config=config(), c_base={**C_BASE, "fingerprint": "zzz"})
     with pytest.raises(ValueError, match="reconstruction_loss_token_aggregation_mode"):
@@ -196,10 +203,11 @@ def test_resume_refuses_another_c_base(backbone, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
-def test_corrupt_checkpoint_names_the_file(backbone, tmp_path, damage):
-    model, engine = make_engine(backbone)
+def test_corrupt_checkpoint_names_the_file(saved, tmp_path, damage):
+    engine, directory = saved
+    shutil.copytree(directory, tmp_path / "checkpoints")
     manager = CheckpointManager(tmp_path / "checkpoints", keep=1, is_main=True)
-    path = manager.save(engine, step=1, config=config(), c_base=C_BASE)
+    path = manager.latest()
     victim = path / "engine" / "optimizer.pt" if damage != "flip" else path / "trainable.safetensors"
     data = victim.read_bytes()
     if damage == "truncate":
@@ -215,12 +223,11 @@ def test_corrupt_checkpoint_names_the_file(backbone, tmp_path, damage):
         manager.load(engine, path, config=config(), c_base=C_BASE)
 
 
-def test_meta_records_mode_c_base_and_config(backbone, tmp_path):
-    model, engine = make_engine(backbone)
-    manager = CheckpointManager(tmp_path / "checkpoints", keep=1, is_main=True)
-    path = manager.save(engine, step=7, config=config(), c_base=C_BASE)
+def test_meta_records_mode_c_base_and_config(saved):
+    engine, directory = saved
+    path = directory / "step_00000001"
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["step"] == meta["data_position"] == 7
+    assert meta["step"] == meta["data_position"] == 1
     assert meta["reconstruction_loss_token_aggregation_mode"] == "mean"
     assert meta["c_base"] == C_BASE and meta["config"] == config() and meta["world_size"] == 1
     manifest = json.loads((path / COMPLETE).read_text())["files"]
