@@ -1,0 +1,69 @@
+"""Scale-out engines behind one small protocol (see ``base.py`` for the loss-scaling contract).
+
+    from zcvae.engines import EngineConfig, build_engine
+    engine = build_engine(EngineConfig(engine="fsdp2"), model=peft_model, param_groups=groups, learning_rate=1e-4)
+    count = engine.all_reduce(torch.tensor(float(num_valid_local)))          # before the forwards
+    for i, mb in enumerate(micro_batches):
+        with torch.no_grad(), engine.model.disable_adapter():
+            ref = engine.module(**mb)                                         # reference first
+        loss = per_example_loss(engine.module(**mb)).sum() / count
+        engine.backward(loss, sync=i == len(micro_batches) - 1)
+    grad_norm = engine.step(max_grad_norm=1.0)
+
+``deepspeed`` is imported only when a DeepSpeed engine is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from zcvae.engines.base import Engine, EngineConfig
+
+__all__ = ["Engine", "EngineConfig", "build_engine"]
+
+
+def build_engine(
+    config: EngineConfig,
+    *,
+    model: nn.Module,
+    param_groups: Sequence[Mapping[str, Any]],
+    learning_rate: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    decoder_layers: Sequence[nn.Module] | None = None,
+) -> Engine:
+    """Wrap ``model`` (on CPU, peft adapters and resized embeddings already in place) for training.
+
+    ``param_groups``: ``[{"params": [...], "lr": float, "weight_decay": float, "name": str}, ...]``;
+    every trainable parameter in exactly one non-empty group; ``set_learning_rates`` takes one lr per
+    group in this order. ``learning_rate``/``weight_decay`` are the defaults for groups that omit them.
+    ``decoder_layers``: FSDP2 only, the blocks sharded one by one (found from ``_no_split_modules``
+    when None). Starts the process group from the torchrun environment if needed.
+    """
+    if not isinstance(config, EngineConfig):
+        raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+    if decoder_layers is not None and config.engine != "fsdp2":
+        raise ValueError(f"decoder_layers is only used by engine='fsdp2', not {config.engine!r}")
+    common = dict(
+        model=model,
+        param_groups=param_groups,
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        betas=tuple(betas),
+        eps=eps,
+    )
+    if config.engine == "local":
+        from zcvae.engines.local import LocalEngine
+
+        return LocalEngine(config, **common)
+    if config.engine == "deepspeed":
+        from zcvae.engines.deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(config, **common)
+    from zcvae.engines.fsdp2 import FSDP2Engine
+
+    return FSDP2Engine(config, **common, decoder_layers=decoder_layers)

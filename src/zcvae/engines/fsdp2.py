@@ -1,0 +1,183 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): each decoder layer, then the root.
+
+Set-up checklist, in this order:
+1. activation checkpointing on the Hugging Face model (before sharding, so the wrapped layers are the
+   checkpointed ones);
+2. ``fully_shard`` every decoder layer, then the whole model, on a 1-D mesh over all ranks;
+3. gradient divide factor 1 on every FSDP module: FSDP2 otherwise divides the reduce-scattered
+   gradient by the data-parallel size, and the contract is the SUM of the ranks' losses;
+4. AdamW over the new DTensor parameters (``fully_shard`` replaces parameter objects, so the
+   trainer's groups are carried across by name).
+
+``backward(sync=False)`` turns gradient reduction off (``set_requires_gradient_sync``): unsharded
+gradients accumulate locally and the next synced backward reduce-scatters them all at once.
+
+Checkpoints are torch DCP directories (``model`` = trainable parameters only, ``optim``) plus
+``client_state.pt`` written by rank 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from zcvae import distributed as zdist
+from zcvae.engines.base import (
+    EngineBase,
+    EngineConfig,
+    build_adamw,
+    clip_and_norm,
+    enable_gradient_checkpointing,
+    groups_from_names,
+    load_client_state,
+    named_param_groups,
+    save_client_state,
+    trainable_named_parameters,
+)
+
+__all__ = ["FSDP2Engine", "find_decoder_layers"]
+
+
+def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one.
+
+    The classes named by any Hugging Face ``_no_split_modules`` inside ``model`` (e.g.
+    ``LlamaDecoderLayer``); failing that, the children of every ``nn.ModuleList`` called ``layers`` or
+    ``h``.
+    """
+    names: set[str] = set()
+    for m in model.modules():
+        names |= set(getattr(m, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = [
+            child
+            for name, m in model.named_modules()
+            if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h")
+            for child in m
+        ]
+    return layers
+
+
+class FSDP2Engine(EngineBase):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model: nn.Module,
+        param_groups: Sequence[Mapping[str, Any]],
+        learning_rate: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        decoder_layers: Sequence[nn.Module] | None = None,
+    ):
+        info = zdist.init_distributed(require_group=True)
+        named_groups = named_param_groups(model, param_groups)
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        layers = list(decoder_layers) if decoder_layers is not None else find_decoder_layers(model)
+        if not layers:
+            raise ValueError(
+                "decoder_layers: found no decoder layers to shard (no _no_split_modules class and no "
+                "ModuleList named 'layers' or 'h'); pass decoder_layers explicitly"
+            )
+        owned = {id(m) for m in model.modules()}
+        if any(id(m) not in owned for m in layers):
+            raise ValueError("decoder_layers: every layer must be a submodule of the model")
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
+        mp_policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if config.precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
+        offload_policy = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if config.cpu_offload else OffloadPolicy()
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        # reshard_after_forward=True also for the root (FSDP2 keeps the root unsharded by default): peft's
+        # disable_adapter() flips requires_grad on whichever parameter object is registered when it
+        # exits. Were the root still unsharded after the reference forward, the flag would land on the
+        # temporary unsharded parameter and the sharded one (owned by the optimizer) would stay
+        # frozen: root-level adapters such as trainable-token rows would silently stop training and
+        # vanish from checkpoints. Costs one extra all-gather of the root's own parameters in backward.
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=True)
+        self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for m in self._fsdp_modules:
+            # Both setters act on one module, not its children. Factor 1 = sum over ranks; forcing
+            # plain SUM collectives avoids PREMUL_SUM, which gloo lacks (and with factor 1 costs no
+            # extra scaling kernel on nccl either).
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+        super().__init__(info, model=model, module=model, num_groups=len(named_groups))
+        self._named_params = trainable_named_parameters(model)
+        self._params = [p for _, p in self._named_params]
+        self.optimizer = build_adamw(
+            groups_from_names(model, named_groups), learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps
+        )
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        self._note_backward(sync)
+        self.model.set_requires_gradient_sync(sync, recurse=True)
+        loss.backward()
+
+    def step(self, *, max_grad_norm: float | None) -> float:
+        self._check_step(max_grad_norm)
+        frozen = [n for n, p in self._named_params if not p.requires_grad]
+        if frozen:
+            raise RuntimeError(
+                f"trainable parameters {frozen[:3]} lost requires_grad: something toggled it on FSDP2's "
+                "unsharded copy (e.g. peft disable_adapter() around a forward whose parameters stayed unsharded)"
+            )
+        norm = float(clip_and_norm(self._params, max_grad_norm))
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def set_learning_rates(self, lrs: Sequence[float]) -> None:
+        for group, lr in zip(self.optimizer.param_groups, self._check_lrs(lrs)):
+            group["lr"] = lr
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            # full_tensor() is a collective: same parameters, same order on every rank.
+            for name, p in trainable_named_parameters(self.model):
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                if self.is_main:
+                    out[name] = full.to("cpu", copy=True)
+        return out
+
+    def _state_options(self) -> StateDictOptions:
+        # Frozen weights come from the base model when a run is rebuilt; keep checkpoints adapter-sized.
+        return StateDictOptions(ignore_frozen_params=True)
+
+    def save_checkpoint(self, directory: str, *, client_state: dict) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+        if self.is_main:
+            save_client_state(directory, client_state)
+        self.barrier()
+
+    def load_checkpoint(self, directory: str) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(ignore_frozen_params=True, strict=False),
+        )
+        client_state = load_client_state(directory)
+        self.barrier()
+        return client_state

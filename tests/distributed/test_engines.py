@@ -1,0 +1,194 @@
+"""Every engine, two real processes on gloo, against one single-process run of the same global batch.
+
+One torchrun launch runs all scenarios (engine_worker.py); the world-1 baseline (local engine,
+accumulation 4) runs in this process. Each scenario trains the tiny peft Llama of engine_harness.py
+for NUM_STEPS optimizer steps at (world 2, accumulation 2), ragged lengths, clipping active, two
+param groups with their own learning-rate schedule, a no-grad adapters-off reference forward before
+every training forward, and in step EMPTY_STEP a micro-batch whose examples are all invalid on rank 1.
+
+What must hold (fp32): per-step global loss, reference loss and pre-clip grad norm, and every
+trainable tensor after the last step, equal the baseline within 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import engine_harness as H
+from zcvae.engines import EngineConfig, build_engine
+
+pytestmark = pytest.mark.distributed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+LAUNCH_TIMEOUT_S = 420  # a hang fails the test instead of stalling CI (first DeepSpeed run compiles ~25 s)
+ATOL = 1e-5
+
+ENGINES = ["ddp", "zero2", "zero3", "fsdp2"]
+MODES = ["mean", "sum"]
+
+
+def _baseline_run(mode: str, *, checkpoint_dir: str | None = None) -> tuple[dict, dict]:
+    model = H.make_model()
+    engine = build_engine(EngineConfig(), model=model, param_groups=H.param_groups(model), learning_rate=1.0)
+    assert engine.world_size == 1
+    on_step = None
+    if checkpoint_dir is not None:
+
+        def on_step(step: int) -> None:
+            if step == H.CKPT_AFTER - 1:
+                engine.save_checkpoint(checkpoint_dir, client_state={"step": H.CKPT_AFTER})
+
+    record = H.run_steps(engine, mode=mode, steps=range(H.NUM_STEPS), accumulation=4, on_step=on_step)
+    return record, engine.trainable_state_dict()
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict[str, tuple[dict, dict]]:
+    """World 1, accumulation 4, local engine: the ground truth for every scenario."""
+    return {mode: _baseline_run(mode) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("engines"))
+    env = H.force_cpu_env()
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "src"), HERE, env.get("PYTHONPATH", "")])
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        os.path.join(HERE, "engine_worker.py"), "--out", out,
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"engine worker hung (> {LAUNCH_TIMEOUT_S} s):\n{(e.stdout or '')[-4000:]}\n{(e.stderr or '')[-4000:]}")
+    with open(os.path.join(out, "worker.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    return out
+
+
+def _load(results: str, name: str) -> tuple[dict, dict]:
+    errors = sorted(f for f in os.listdir(results) if f.startswith(f"{name}.rank") and f.endswith(".error"))
+    if errors:
+        with open(os.path.join(results, errors[0])) as f:
+            pytest.fail(f"{name} failed in the worker:\n{f.read()}")
+    path = os.path.join(results, f"{name}.json")
+    if not os.path.exists(path):
+        with open(os.path.join(results, "worker.log")) as f:
+            pytest.fail(f"{name}: no result; worker log tail:\n{f.read()[-6000:]}")
+    with open(path) as f:
+        record = json.load(f)
+    return record, load_file(os.path.join(results, f"{name}.safetensors"))
+
+
+def _assert_same_run(got: tuple[dict, dict], want: tuple[dict, dict], *, atol: float, steps: slice = slice(None)) -> None:
+    (rec, state), (want_rec, want_state) = got, want
+    for key in ("loss", "ref", "grad_norm"):
+        g, w = rec[key], want_rec[key][steps]
+        assert len(g) == len(w), key
+        for i, (a, b) in enumerate(zip(g, w)):
+            assert math.isfinite(a) and abs(a - b) <= atol * max(1.0, abs(b)), f"{key}[{i}]: {a} vs {b}"
+    assert set(state) == set(want_state)
+    for name, tensor in want_state.items():
+        assert state[name].shape == tensor.shape, name
+        torch.testing.assert_close(state[name], tensor, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_harness_has_an_empty_rank_micro_batch_and_reaches_trained_rows():
+    """The data must really exercise what the other tests claim: an all-invalid micro-batch on rank 1
+    mid-accumulation, ragged lengths across ranks, and the trainable embedding rows in the inputs."""
+    rank1 = H.micro_batches(H.EMPTY_STEP, rank=1, world=2, accumulation=2)
+    assert H.num_valid(rank1[0]) == 0 and H.num_valid(rank1[1]) > 0
+    lengths = {b["input_ids"].shape[1] for r in (0, 1) for b in H.micro_batches(0, rank=r, world=2, accumulation=2)}
+    assert len(lengths) > 1
+    ids = torch.cat([b["input_ids"].flatten() for b in H.micro_batches(0, rank=0, world=1, accumulation=4)])
+    assert all((ids == row).any() for row in H.TRAINABLE_ROWS)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_equal_single_process(results, baseline, engine, mode):
+    """(world 2, accumulation 2) == (world 1, accumulation 4): each engine undoes its own averaging
+    over ranks / accumulation steps, and an all-invalid micro-batch neither hangs nor biases."""
+    _assert_same_run(_load(results, f"{engine}-{mode}"), baseline[mode], atol=ATOL)
+
+
+@pytest.mark.parametrize("engine", ["zero0", "zero1"])
+def test_other_zero_stages_equal_single_process(results, baseline, engine):
+    # ZeRO-0 in fp32 has no DeepSpeed optimizer wrapper: the engine clips p.grad itself.
+    _assert_same_run(_load(results, f"{engine}-mean"), baseline["mean"], atol=ATOL)
+
+
+@pytest.mark.parametrize("engine", ["zero3gc", "fsdp2gc"])
+def test_gradient_checkpointing_with_reference_pass(results, baseline, engine):
+    """ZeRO-3 / FSDP2 with non-reentrant checkpointing and the reference forward before every training
+    forward, for NUM_STEPS steps: runs, finite, and still equal to the single-process run."""
+    _assert_same_run(_load(results, f"{engine}-mean"), baseline["mean"], atol=ATOL)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reference_pass_is_the_base_model(results, engine):
+    """Adapters disabled on engine.model while forwarding through the wrapped engine.module gives the
+    base model's NLL at every step, i.e. the reference really is adapter-free under every wrapper."""
+    record, _ = _load(results, f"{engine}-mean")
+    base = H.make_base_model()
+    for step, got in enumerate(record["ref"]):
+        batches = H.micro_batches(step, rank=0, world=1, accumulation=1)
+        count = sum(H.num_valid(b) for b in batches)
+        with torch.no_grad():
+            want = sum(
+                float(H.per_example_nll(base(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b, "mean").sum())
+                for b in batches
+            ) / count
+        assert abs(got - want) <= ATOL, (step, got, want)
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_trainable_state_dict_is_full_and_holds_no_embedding_matrix(results, baseline, engine):
+    """Sharded exports are gathered (every tensor full-shaped and equal to the single-process one, not
+    rank 0's shard) and contain only the trainable-token delta, never the (V, H) embedding matrix."""
+    _, state = _load(results, f"{engine}-mean")
+    _, want = baseline["mean"]
+    assert set(state) == set(want)
+    for name, tensor in want.items():
+        assert state[name].shape == tensor.shape, (name, state[name].shape, tensor.shape)
+        torch.testing.assert_close(state[name], tensor, atol=ATOL, rtol=0)
+    deltas = [n for n in state if "trainable_tokens_delta" in n]
+    assert len(deltas) == 1 and state[deltas[0]].shape == (len(H.TRAINABLE_ROWS), H.HIDDEN)
+    assert not any(t.shape[0] == H.VOCAB for t in state.values())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_checkpoint_round_trip(results, engine):
+    """Save after CKPT_AFTER steps, build a fresh engine, load, finish: equal to the uninterrupted run."""
+    uninterrupted = _load(results, f"{engine}-mean")
+    resumed = _load(results, f"{engine}-mean-resumed")
+    _assert_same_run(resumed, uninterrupted, atol=1e-6, steps=slice(H.CKPT_AFTER, None))
+
+
+def test_local_world1_checkpoint_round_trip_and_frozen_rows(tmp_path, baseline):
+    """World 1: the checkpoint files are safetensors + weights_only pickles, resume equals the
+    uninterrupted run, and every frozen embedding row is bitwise unchanged by training."""
+    ckpt = str(tmp_path / "ckpt")
+    record, state = _baseline_run("mean", checkpoint_dir=ckpt)
+    _assert_same_run((record, state), baseline["mean"], atol=0.0)  # deterministic on one process
+    assert sorted(os.listdir(ckpt)) == ["client_state.pt", "optimizer.pt", "trainable.safetensors"]
+    for name in ("client_state.pt", "optimizer.pt"):
+        torch.load(os.path.join(ckpt, name), weights_only=True)
+
+    model = H.make_model()
+    before = model.get_input_embeddings().token_adapter.base_layer.weight.detach().clone()
+    engine = build_engine(EngineConfig(), model=model, param_groups=H.param_groups(model), learning_rate=1.0)
+    assert engine.load_checkpoint(ckpt) == {"step": H.CKPT_AFTER}
+    resumed = H.run_steps(engine, mode="mean", steps=range(H.CKPT_AFTER, H.NUM_STEPS), accumulation=4)
+    _assert_same_run((resumed, engine.trainable_state_dict()), (record, state), atol=1e-6, steps=slice(H.CKPT_AFTER, None))
+    after = model.get_input_embeddings().token_adapter.base_layer.weight
+    assert torch.equal(before, after)
