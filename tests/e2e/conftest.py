@@ -1,0 +1,34 @@
+"""Shared fixtures of the end-to-end tests: a tiny backbone pretrained through the real CLI, once."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY_PRETRAIN = [
+    "--max-steps", "40", "--num-train-examples", "512", "--num-val-examples", "32",
+    "--hidden-size", "32", "--num-layers", "2", "--num-heads", "4", "--intermediate-size", "64",
+]
+
+
+def run_cli(*args, cwd=None, check=True, timeout=600, env=None):
+    """Run ``python -m zcvae ARGS`` in a fresh process; return the CompletedProcess."""
+    full_env = {**os.environ, "ZCVAE_CACHE": str(Path(cwd or ".") / ".cache"), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "zcvae", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"zcvae {' '.join(map(str, args))} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def cli():
+    return run_cli
+
+
+@pytest.fixture(scope="session")
+def tiny_backbone(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("backbone") / "bb"
+    run_cli("pretrain", "--task", "copy", "--output-dir", out, *TINY_PRETRAIN)
+    return out
