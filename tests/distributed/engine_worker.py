@@ -6,9 +6,10 @@
 Rank 0 writes ``<scenario>.safetensors`` (trainable parameters after the last step) and
 ``<scenario>.json`` (per-step loss, reference loss, grad norm) under ``--out``. Checkpoint
 scenarios save after ``CKPT_AFTER`` steps, finish the run, then build a fresh engine, load and
-redo the remaining steps: ``<scenario>-resumed.*``. A failing scenario writes ``<scenario>.error``
-and the others still run (the collectives stay aligned because an exception ends the process only
-after every scenario was tried on every rank... unless it hangs, which the launcher's timeout catches).
+redo the remaining steps: ``<scenario>-resumed.*``. A scenario that raises on a rank writes
+``<scenario>.rank<r>.error`` and the worker moves on; a scenario that hangs is caught by the
+test's launch timeout and the gloo timeout set here. ``metrics`` checks ``reduce_metrics`` on
+deliberately different per-rank values (``metrics.rank<r>.json``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,18 @@ def run_scenario(out_dir: str, name: str, spec: dict, accumulation: int) -> None
         write(out_dir, f"{name}-resumed", state, record)
 
 
+def check_metrics(out_dir: str, rank: int) -> None:
+    """Ranks hold different (sum, count) pairs; rank 1 has no data (the has_data MIN pattern)."""
+    got = zdist.reduce_metrics(
+        sums={"nll": torch.tensor(1.0 + 2.0 * rank), "empty": 0.0},
+        counts={"nll": 1 + 3 * rank, "empty": 0},
+        mins={"has_data": float(rank == 0), "lo": rank + 0.5},
+        maxs={"hi": torch.tensor(10.0 * rank)},
+    )
+    with open(os.path.join(out_dir, f"metrics.rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -100,6 +113,8 @@ def main() -> None:
             json.dump(zero3, f)
     zdist.barrier()
     failed = False
+    if not args.only or "metrics" in args.only:
+        check_metrics(args.out, info.rank)
     start = time.time()
     for name, spec in scenarios(zero3_path).items():
         if args.only and name not in args.only:

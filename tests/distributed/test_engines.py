@@ -7,7 +7,11 @@ param groups with their own learning-rate schedule, a no-grad adapters-off refer
 every training forward, and in step EMPTY_STEP a micro-batch whose examples are all invalid on rank 1.
 
 What must hold (fp32): per-step global loss, reference loss and pre-clip grad norm, and every
-trainable tensor after the last step, equal the baseline within 1e-5.
+trainable tensor after the last step, equal the baseline within 1e-5. AdamW is nearly blind to a
+global gradient scale, so the grad norm is what catches an engine that still averages over ranks or
+accumulation steps (a factor of 2 here); the parameters catch wrong relative weights between ranks
+and micro-batches (ragged counts, the empty micro-batch). Learning rates are kept small because Adam
+amplifies float noise on near-zero gradient entries into parameter differences of order lr * 1e-3.
 """
 
 from __future__ import annotations
@@ -100,6 +104,17 @@ def _assert_same_run(got: tuple[dict, dict], want: tuple[dict, dict], *, atol: f
     for name, tensor in want_state.items():
         assert state[name].shape == tensor.shape, name
         torch.testing.assert_close(state[name], tensor, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_reduce_metrics_is_exact_over_ranks(results):
+    """(sum, count) pairs reduce to the global mean (not the mean of rank means, 0.5 * (1/1 + 3/4)),
+    identical on both ranks; min/max over ranks; an all-empty metric is nan."""
+    for rank in (0, 1):
+        with open(os.path.join(results, f"metrics.rank{rank}.json")) as f:
+            got = json.load(f)
+        assert got["nll"] == pytest.approx(4.0 / 5.0, abs=1e-12) and got["nll/count"] == 5.0
+        assert math.isnan(got["empty"])
+        assert (got["has_data"], got["lo"], got["hi"]) == (0.0, 0.5, 10.0)
 
 
 def test_harness_has_an_empty_rank_micro_batch_and_reaches_trained_rows():

@@ -57,7 +57,7 @@ _COMMON: dict[str, Any] = {
 }
 _ZERO3: dict[str, Any] = {
     "stage": 3,
-    "overlap_comm": False,
+    "overlap_comm": True,
     "contiguous_gradients": True,
     "reduce_bucket_size": 50_000_000,
     "stage3_prefetch_bucket_size": 50_000_000,
@@ -76,7 +76,7 @@ BUILTIN_DEEPSPEED_CONFIGS: dict[str, dict[str, Any]] = {
         **_COMMON,
         "zero_optimization": {
             "stage": 2,
-            "overlap_comm": False,
+            "overlap_comm": True,
             "contiguous_gradients": True,
             "reduce_scatter": True,
             "reduce_bucket_size": 50_000_000,
