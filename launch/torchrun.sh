@@ -15,7 +15,7 @@
 #   TORCHRUN        the launcher command [torchrun]; e.g. "python -m torch.distributed.run"
 #   DRY_RUN=1       same as --dry-run: print the command and exit 0 without running it
 #
-# One node, 8 GPUs:        NPROC_PER_NODE=8 launch/torchrun.sh --task arith --max-steps 1000
+# One node, 8 GPUs:        NPROC_PER_NODE=8 launch/torchrun.sh --task sort --max-steps 1000
 # Two nodes (on each):     NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=node0 NPROC_PER_NODE=8 launch/torchrun.sh ...
 set -euo pipefail
 
