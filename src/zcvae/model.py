@@ -28,8 +28,10 @@ dimension, M z slots, R rows of a branch forward (B*K) or of a decode call.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -47,7 +49,7 @@ from zcvae.latent import (
     inter_latent_divergence,
 )
 from zcvae.losses import gather_span, token_nll
-from zcvae.templates import ZNULL, Batch, TemplateTokens, prepare_tokenizer
+from zcvae.templates import IGNORE_INDEX, ZNULL, Batch, TemplateTokens, prepare_tokenizer
 
 __all__ = ["CVAEOutput", "LATENT_TYPES", "MODES", "ModelConfig", "ZCVAE", "default_lora_targets"]
 
@@ -109,6 +111,14 @@ class ModelConfig:
     disable_backbone_dropout: bool = True
     """Set the backbone's own dropout to 0 (LoRA dropout is separate): the K branches of one example,
     the reference pass and a (world, accumulation) re-split must see the same function."""
+    share_x_prefix: bool = True
+    """Train mode: run ``<bos> <x> {x} </x>`` once per example and reuse its keys and values (gradients
+    flow through them) for the router's z-free suffix and every branch, instead of re-running x in
+    each of the 1 + K rows. Exact: losses and gradients equal the full-sequence path to float noise
+    (tests/unit/test_prefix_sharing.py). Falls back to the full path, with a one-time warning naming
+    the reason, under gradient checkpointing (Hugging Face drops the cache inside checkpointed
+    layers), for sliding-window attention shorter than the batch, and for an architecture whose
+    forward takes no cache or position ids. False = always the full path."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -138,6 +148,8 @@ class ModelConfig:
             raise ValueError(f"z_init_noise must be a finite number >= 0, got {self.z_init_noise!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.share_x_prefix, bool):
+            raise ValueError(f"share_x_prefix must be a bool, got {self.share_x_prefix!r}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":
@@ -191,6 +203,30 @@ class CVAEOutput:
 def _chunks(num_rows: int, chunk: int | None) -> list[slice]:
     step = num_rows if not chunk else chunk
     return [slice(i, min(i + step, num_rows)) for i in range(0, num_rows, max(step, 1))]
+
+
+@dataclass
+class _SharedPrefix:
+    """``<bos> <x> {x} </x>`` of every example after one forward, right-padded to P columns."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (B, heads, P, head_dim), in the graph
+    mask_BP: torch.Tensor  # (B, P) long: 1 on the P_i real prefix tokens
+    length_B: torch.Tensor  # (B,) P_i = len(x) + 3
+    h_prior_BH: torch.Tensor  # (B, H) final hidden state at </x>
+
+
+def _suffix(ids_BT, mask_BT, labels_BT, start_B, *, pad: int):
+    """Columns start_i .. of each right-padded row, re-packed from column 0 and right-padded
+    -> (ids_BW, mask_BW, labels_BW), W = the longest suffix."""
+    start_B = start_B.to(ids_BT.device)
+    length_B = mask_BT.sum(1) - start_B
+    W = int(length_B.max())
+    cols_W = torch.arange(W, device=ids_BT.device)
+    valid_BW = cols_W[None] < length_B[:, None]
+    index_BW = (start_B[:, None] + cols_W).clamp(max=ids_BT.shape[1] - 1)
+    ids = ids_BT.gather(1, index_BW).masked_fill(~valid_BW, pad)
+    labels = labels_BT.gather(1, index_BW).masked_fill(~valid_BW, IGNORE_INDEX)
+    return ids, valid_BW.to(mask_BT.dtype), labels
 
 
 def _disable_dropout(model: nn.Module) -> None:
@@ -449,7 +485,17 @@ class ZCVAE(nn.Module):
     def _cvae(self, batch: Batch, *, n_span: int, branches: bool, latent_noise=None, generator=None, **kw) -> CVAEOutput:
         if kw:
             raise ValueError(f"unexpected arguments: {sorted(kw)}")
-        h_prior, h_post, zfree_nll, mask = self._router_states(batch, n_span=n_span)
+        prefix = None
+        if branches and self.config.share_x_prefix:
+            blocker = self.prefix_sharing_blocker(batch)
+            if blocker is None:
+                prefix = self._run_prefix(batch)
+            else:
+                self._warn_once(f"share_x_prefix: falling back to the full-sequence path: {blocker}")
+        if prefix is None:
+            h_prior, h_post, zfree_nll, mask = self._router_states(batch, n_span=n_span)
+        else:
+            h_prior, h_post, zfree_nll, mask = self._router_states_shared(batch, prefix, n_span=n_span)
         if not self.router.calibrated:
             # Lazy data-dependent init (documented in from_pretrained): statistics of this first batch.
             self.router.calibrate(h_posterior_BH=h_post, h_prior_BH=h_prior)
@@ -468,7 +514,7 @@ class ZCVAE(nn.Module):
             if branches:
                 K = self.config.num_latents
                 latent_index_R = torch.arange(K, device=batch.z_input_ids.device).repeat(B)  # r = i*K + k
-                nll_BKN = self._discrete_branches(batch, latent_index_R=latent_index_R, n_span=n_span).view(B, K, n_span)
+                nll_BKN = self._discrete_branches(batch, latent_index_R=latent_index_R, n_span=n_span, prefix=prefix).view(B, K, n_span)
                 out.token_nll = nll_BKN
                 out.branch_weights = q_logits.softmax(-1)  # (B, K) differentiable: the exact expectation
                 out.inter_latent_divergence = inter_latent_divergence(nll_BKN, torch.ones_like(q_logits), mask)
@@ -493,26 +539,152 @@ class ZCVAE(nn.Module):
                 raise ValueError(f"latent_noise must be [{B}, {S}, {D}], got {tuple(latent_noise.shape)}")
             eps = latent_noise.to(device=mu.device, dtype=mu.dtype)
             z_BSD = mu[:, None] + torch.exp(0.5 * logvar)[:, None] * eps  # reparameterised
-            nll_BKN = self._soft_prompt_branches(batch, z_RD=z_BSD.reshape(B * S, D), n_span=n_span).view(B, S, n_span)
+            nll_BKN = self._soft_prompt_branches(batch, z_RD=z_BSD.reshape(B * S, D), n_span=n_span, prefix=prefix).view(B, S, n_span)
             out.token_nll = nll_BKN
             out.branch_weights = torch.full((B, S), 1.0 / S, device=mu.device)
             out.inter_latent_divergence = inter_latent_divergence(nll_BKN, out.branch_weights, mask)
             out.z = z_BSD
         return out
 
-    def _discrete_branches(self, batch: Batch, *, latent_index_R: torch.Tensor, n_span: int) -> torch.Tensor:
+    # ------------------------------------------------------------------------------------------
+    # Shared x prefix
+    # ------------------------------------------------------------------------------------------
+    # Both templates start with the same P_i = len(x) + 3 tokens <bos> <x> {x} </x>, and by causality
+    # nothing after them changes their keys and values. The prefix runs once, right-padded to P
+    # columns; each suffix (the router's "<y> y </y> <eos>", a branch's "<z> z </z> <y> y </y> <eos>")
+    # then runs on a fresh DynamicCache holding the prefix keys/values of its example, with position
+    # ids P_i + j (the positions of the full, unshared rows) and a 2-D mask covering cache + suffix.
+    # Right padding leaves holes in the cache (columns P_i .. P-1) that the mask removes; left
+    # padding would work too, but its pad queries would have no key to attend to (fully masked
+    # softmax rows, NaN in some kernels), which right padding never produces. Gradients reach the
+    # prefix through the cached tensors (DynamicCache concatenates, it does not detach).
+
+    def prefix_sharing_blocker(self, batch: Batch | None = None) -> str | None:
+        """Why a train forward (of ``batch``) would *not* share the x prefix, or None when it would."""
+        if not self.config.share_x_prefix:
+            return "share_x_prefix=False"
+        hf = self.peft_model.get_base_model()
+        params = inspect.signature(hf.forward).parameters
+        if "position_ids" not in params or not ({"cache", "past_key_values"} & set(params)):
+            return f"{type(hf).__name__}.forward takes no position_ids or no cache"
+        if torch.is_grad_enabled() and any(
+            getattr(m, "gradient_checkpointing", False) is True and m.training for m in hf.modules()
+        ):
+            # transformers drops the cache inside a checkpointed layer (a replay would write it twice);
+            # the full path costs 1 + K passes over x instead of 1, and checkpointing bounds their memory.
+            return "gradient checkpointing is on (Hugging Face drops the KV cache inside checkpointed layers)"
+        cfg = hf.config
+        layer_types = getattr(cfg, "layer_types", None) or ()
+        window = getattr(cfg, "sliding_window", None)
+        if any(t != "full_attention" for t in layer_types) or (
+            window is not None and getattr(cfg, "use_sliding_window", True) and (batch is None or batch.z_input_ids.shape[1] > window)
+        ):
+            # a sliding window counts cache columns, and the cache of a shared prefix has holes
+            return "sliding-window attention (windows would count the padding holes of the shared cache)"
+        return None
+
+    def _warn_once(self, message: str) -> None:
+        seen = self.__dict__.setdefault("_warned", set())
+        if message not in seen:
+            seen.add(message)
+            warnings.warn(message, stacklevel=3)
+
+    def _cache_kwarg(self) -> str:
+        # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes in 5.40).
+        params = inspect.signature(self.peft_model.get_base_model().forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
+
+    def _run_prefix(self, batch: Batch) -> _SharedPrefix:
+        """One LoRA-adapted forward of ``<bos> <x> {x} </x>`` per example (right-padded)."""
+        from transformers import DynamicCache
+
+        device = batch.input_ids.device
+        length_B = batch.x_close_pos.to(device) + 1  # P_i: bos <x> x </x>
+        P = int(length_B.max())
+        cols_P = torch.arange(P, device=device)
+        mask_BP = (cols_P[None] < length_B[:, None]).long()
+        ids_BP = batch.input_ids[:, :P].masked_fill(mask_BP == 0, self.tokens.pad)
+        cache = DynamicCache()  # no config: plain layers that keep every column
+        kwargs = {self._cache_kwarg(): cache}
+        hf = self.peft_model.get_base_model()
+        if "logits_to_keep" in inspect.signature(hf.forward).parameters:
+            kwargs["logits_to_keep"] = 1  # the prefix supervises nothing: skip its (B, P, V) logits
+        out = self.peft_model(
+            input_ids=ids_BP,
+            attention_mask=mask_BP,
+            position_ids=cols_P[None].expand(ids_BP.shape[0], P),
+            use_cache=True,
+            output_hidden_states=True,
+            return_dict=True,
+            **kwargs,
+        )
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        h_BPH = out.hidden_states[-1]
+        rows = torch.arange(h_BPH.shape[0], device=device)
+        return _SharedPrefix(kv=kv, mask_BP=mask_BP, length_B=length_B, h_prior_BH=h_BPH[rows, length_B - 1])
+
+    def _lm_after_prefix(self, prefix: _SharedPrefix, example_R, *, attention_mask, input_ids=None, inputs_embeds=None, hidden: bool = False):
+        """A suffix forward of rows r (example ``example_R[r]``, None = one row per example) on the
+        cached prefix; ``attention_mask`` (R, W) covers the suffix only."""
+        from transformers import DynamicCache
+
+        if example_R is None:
+            kv = prefix.kv
+            mask_RP, start_R = prefix.mask_BP, prefix.length_B
+        else:
+            kv = [(k.index_select(0, example_R), v.index_select(0, example_R)) for k, v in prefix.kv]
+            mask_RP, start_R = prefix.mask_BP[example_R], prefix.length_B[example_R]
+        W = attention_mask.shape[1]
+        position_RW = start_R[:, None] + torch.arange(W, device=start_R.device)
+        return self.peft_model(
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=torch.cat([mask_RP, attention_mask.to(mask_RP.dtype)], dim=1),
+            position_ids=position_RW,
+            use_cache=True,
+            output_hidden_states=hidden,
+            return_dict=True,
+            **{self._cache_kwarg(): DynamicCache(ddp_cache_data=kv)},
+        )
+
+    def _router_states_shared(self, batch: Batch, prefix: _SharedPrefix, *, n_span: int):
+        """``_router_states`` on the shared prefix: the z-free suffix ``<y> y </y> <eos>`` only."""
+        ids_BW, mask_BW, labels_BW = _suffix(batch.input_ids, batch.attention_mask, batch.labels, prefix.length_B, pad=self.tokens.pad)
+        out = self._lm_after_prefix(prefix, None, input_ids=ids_BW, attention_mask=mask_BW, hidden=True)
+        h_BWH = out.hidden_states[-1]
+        rows = torch.arange(h_BWH.shape[0], device=h_BWH.device)
+        h_post = h_BWH[rows, batch.y_close_pos.to(h_BWH.device) - prefix.length_B]  # (B, H) sees x and y
+        zfree_nll, mask = gather_span(token_nll(out.logits, labels_BW), labels_BW, n_span=n_span)
+        return prefix.h_prior_BH, h_post, zfree_nll, mask
+
+    def _branch_rows(self, batch: Batch, *, reps: int, prefix: _SharedPrefix | None):
+        """The z-conditioned rows r = i*reps + k, full or (with ``prefix``) their suffixes after </x>
+        -> ids_RS, mask_RS, labels_RS, slot_start_R (column of the first slot), example_R."""
+        if prefix is None:
+            ids, mask, labels, slot = batch.z_input_ids, batch.z_attention_mask, batch.z_labels, batch.z_slot_start
+        else:
+            ids, mask, labels = _suffix(batch.z_input_ids, batch.z_attention_mask, batch.z_labels, prefix.length_B, pad=self.tokens.pad)
+            slot = batch.z_slot_start.to(prefix.length_B.device) - prefix.length_B  # = 1, after <z>
+        example_R = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(reps)
+        return ids[example_R], mask[example_R], labels[example_R], slot.to(ids.device)[example_R], example_R
+
+    def _branch_lm(self, prefix: _SharedPrefix | None, example_R, **inputs):
+        if prefix is None:
+            return self._lm(**inputs)
+        return self._lm_after_prefix(prefix, example_R, **inputs)
+
+    def _discrete_branches(self, batch: Batch, *, latent_index_R: torch.Tensor, n_span: int, prefix: _SharedPrefix | None = None) -> torch.Tensor:
         """Rows r = i*K + k: example i with latent latent_index_R[r] in its slot -> nll_RN."""
         R = latent_index_R.shape[0]
         reps = R // batch.z_input_ids.shape[0]
-        ids_RS = batch.z_input_ids.repeat_interleave(reps, 0).clone()
+        ids_RS, mask_RS, labels_RS, slot_R, example_R = self._branch_rows(batch, reps=reps, prefix=prefix)
+        ids_RS = ids_RS.clone()
         latent_ids = torch.tensor(self.tokens.latents, device=ids_RS.device)
         rows = torch.arange(R, device=ids_RS.device)
-        ids_RS[rows, batch.z_slot_start.to(ids_RS.device).repeat_interleave(reps)] = latent_ids[latent_index_R.to(ids_RS.device)]
-        mask_RS = batch.z_attention_mask.repeat_interleave(reps, 0)
-        labels_RS = batch.z_labels.repeat_interleave(reps, 0)
+        ids_RS[rows, slot_R] = latent_ids[latent_index_R.to(ids_RS.device)]
         parts = []
         for c in _chunks(R, self.config.branch_chunk_size):
-            logits = self._lm(input_ids=ids_RS[c], attention_mask=mask_RS[c]).logits  # (r, S, V)
+            logits = self._branch_lm(prefix, example_R[c], input_ids=ids_RS[c], attention_mask=mask_RS[c]).logits  # (r, S, V)
             parts.append(gather_span(token_nll(logits, labels_RS[c]), labels_RS[c], n_span=n_span)[0])
         return torch.cat(parts, 0)  # (R, N)
 
@@ -525,17 +697,14 @@ class ZCVAE(nn.Module):
         slots = embeds.gather(1, index) + self.projection(z_RD).to(embeds.dtype)  # (R, M, H)
         return embeds.scatter(1, index, slots)
 
-    def _soft_prompt_branches(self, batch: Batch, *, z_RD: torch.Tensor, n_span: int) -> torch.Tensor:
+    def _soft_prompt_branches(self, batch: Batch, *, z_RD: torch.Tensor, n_span: int, prefix: _SharedPrefix | None = None) -> torch.Tensor:
         R = z_RD.shape[0]
         reps = R // batch.z_input_ids.shape[0]
-        ids_RS = batch.z_input_ids.repeat_interleave(reps, 0)
-        slot_R = batch.z_slot_start.repeat_interleave(reps, 0)
-        mask_RS = batch.z_attention_mask.repeat_interleave(reps, 0)
-        labels_RS = batch.z_labels.repeat_interleave(reps, 0)
+        ids_RS, mask_RS, labels_RS, slot_R, example_R = self._branch_rows(batch, reps=reps, prefix=prefix)
         parts = []
         for c in _chunks(R, self.config.branch_chunk_size):
             embeds = self._slot_embeds(ids_RS[c], slot_R[c], z_RD[c])
-            logits = self._lm(inputs_embeds=embeds, attention_mask=mask_RS[c]).logits
+            logits = self._branch_lm(prefix, example_R[c], inputs_embeds=embeds, attention_mask=mask_RS[c]).logits
             parts.append(gather_span(token_nll(logits, labels_RS[c]), labels_RS[c], n_span=n_span)[0])
         return torch.cat(parts, 0)  # (R, N)
 

@@ -1,0 +1,187 @@
+"""The shared x-prefix path (ModelConfig.share_x_prefix) equals the full-sequence path.
+
+One model per case; the same batch runs with ``share_x_prefix`` off and on, and every output the
+trainer uses (branch token NLL, posterior, prior, KL, z-free NLL, branch weights) and every trainable
+gradient (LoRA A/B, z rows, router heads, soft-prompt projection) must agree within 1e-5 in fp32.
+The batch is ragged in both x and y, so the prefix has padding holes and the suffixes have padding
+at different columns; LoRA B, the z rows and the router heads are perturbed away from their zero or
+near-zero initialisation so that every gradient is non-trivial.
+
+Shape legend: B examples, K branches (or Gaussian samples), N supervised span, D latent dimension.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from zcvae.data import build_tokenizer
+from zcvae.model import ZCVAE, ModelConfig
+from zcvae.templates import EncodedExample, collate
+
+ATOL = 1e-5
+X_LENGTHS = (1, 7, 3, 11, 5)  # ragged x: the prefix is right-padded with holes of 0..10 columns
+Y_LENGTHS = (6, 2, 9, 4, 1)  # ragged y, uncorrelated with x
+
+
+@pytest.fixture(scope="module")
+def backbones(tmp_path_factory):
+    tok = build_tokenizer()
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    models = {
+        # 2 kv heads for 4 query heads: the cache holds grouped keys, as in real Llama checkpoints
+        "llama": LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, **ids)),
+        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=64, **ids)),
+    }
+    out = {}
+    for name, model in models.items():
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        out[name] = str(path)
+    return out
+
+
+def ragged_batch(model: ZCVAE, *, seed: int = 0):
+    """Examples with the X_LENGTHS / Y_LENGTHS above and random ordinary-word ids."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = 11, len(build_tokenizer())  # ids below 11 are the specials and template markers
+    examples = [
+        EncodedExample(f"e{i}", tuple(torch.randint(lo, hi, (nx,), generator=g).tolist()), tuple(torch.randint(lo, hi, (ny,), generator=g).tolist()))
+        for i, (nx, ny) in enumerate(zip(X_LENGTHS, Y_LENGTHS))
+    ]
+    return collate(examples, model.tokens, num_z_slots=model.config.num_z_slots)
+
+
+def build(backbones, arch: str, **cfg) -> tuple[ZCVAE, object]:
+    model = ZCVAE.from_pretrained(backbones[arch], ModelConfig(**cfg), seed=0)
+    batch = ragged_batch(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and ("lora_B" in name or "trainable_tokens_delta" in name or "router" in name):
+                # heads read standardised states of norm ~sqrt(H): keep the logits, mu and logvar O(1)
+                p.add_((0.1 if "router" in name else 0.3) * torch.randn(p.shape, generator=g))
+    model.calibrate(batch)  # after the LoRA change, so the standardised states are O(1)
+    return model, batch
+
+
+def loss_of(out) -> torch.Tensor:
+    """A per-example mean, like the trainer's objective (mean aggregation), touching every output the
+    trainer uses with unequal weights so that no term cancels another."""
+    mask = out.mask.float()
+    n_B = mask.sum(-1)
+    recon_B = (out.branch_weights * (out.token_nll * mask[:, None]).sum(-1)).sum(-1) / n_B
+    per_example = recon_B + 0.7 * out.kl + 0.3 * (out.zfree_nll * mask).sum(-1) / n_B + 0.1 * out.inter_latent_divergence
+    if out.prior_logits is not None:
+        per_example = per_example + 0.2 * (out.prior_logits.log_softmax(-1) * torch.arange(out.prior_logits.shape[1])).sum(-1)
+    else:
+        per_example = per_example + 0.2 * (out.mu * out.prior_mu).sum(-1) + 0.1 * out.logvar.sum(-1)
+    return per_example.mean()
+
+
+def run(model: ZCVAE, batch, *, share: bool, **kw):
+    model.config.share_x_prefix = share
+    model.zero_grad(set_to_none=True)
+    out = model(batch, mode="train", **kw)
+    loss_of(out).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out, grads
+
+
+def assert_same(model: ZCVAE, batch, **kw) -> None:
+    plain, g_plain = run(model, batch, share=False, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a silent fallback to the plain path would make this test vacuous
+        shared, g_shared = run(model, batch, share=True, **kw)
+        assert model.prefix_sharing_blocker(batch) is None
+    fields = ["token_nll", "branch_weights", "kl", "posterior_entropy", "zfree_nll", "inter_latent_divergence", "mask"]
+    fields += ["posterior_logits", "prior_logits"] if plain.posterior_logits is not None else ["mu", "logvar", "prior_mu", "prior_logvar", "z"]
+    for name in fields:
+        torch.testing.assert_close(getattr(shared, name), getattr(plain, name), atol=ATOL, rtol=ATOL, msg=name)
+    assert g_plain.keys() == g_shared.keys()
+    kinds = {"lora_A": 0, "lora_B": 0, "trainable_tokens_delta": 0, "router": 0, "projection": 0}
+    # one discrete latent: q = p = 1 whatever the heads say, so their gradient is exactly zero
+    constant_router = model.config.latent_type == "discrete" and model.config.num_latents == 1
+    for name, g in g_plain.items():
+        if not (constant_router and name.startswith("router.")):
+            assert g.abs().sum() > 0, f"{name}: zero gradient, the comparison would be vacuous"
+        torch.testing.assert_close(g_shared[name], g, atol=ATOL, rtol=ATOL, msg=name)
+        for kind in kinds:
+            kinds[kind] += kind in name
+    assert kinds["lora_A"] and kinds["lora_B"] and kinds["router"], kinds
+    assert kinds["trainable_tokens_delta" if model.config.latent_type == "discrete" else "projection"], kinds
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("num_latents", [1, 3])
+def test_discrete_shared_prefix_equals_full_path(backbones, arch, num_latents):
+    model, batch = build(backbones, arch, num_latents=num_latents)
+    assert model.config.share_x_prefix, "sharing is on by default"
+    assert_same(model, batch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_gaussian_shared_prefix_equals_full_path(backbones, arch, num_samples):
+    model, batch = build(backbones, arch, latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=num_samples)
+    noise = torch.randn(len(batch), num_samples, 4, generator=torch.Generator().manual_seed(2))
+    assert_same(model, batch, latent_noise=noise)
+
+
+def test_shared_prefix_with_chunked_branches(backbones):
+    """Chunks that split an example's K rows (chunk 2 with K = 3) select the right cached prefix."""
+    model, batch = build(backbones, "llama", num_latents=3, branch_chunk_size=2)
+    assert_same(model, batch)
+
+
+def test_positions_match_the_full_rows(backbones):
+    """The suffix rows continue each example's own positions (RoPE sees P_i + j, not P + j), and the
+    prefix hidden state at </x> equals the full row's."""
+    model, batch = build(backbones, "llama", num_latents=2)
+    calls = []
+    base = model.peft_model.get_base_model()
+    hook = base.register_forward_pre_hook(lambda m, args, kw: calls.append(kw.get("position_ids")), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model.config.share_x_prefix = True
+            model(batch, mode="train")
+    finally:
+        hook.remove()
+    prefix_pos, router_pos, branch_pos = calls  # one prefix, one router suffix, one branch forward
+    start_B = batch.x_close_pos + 1
+    assert torch.equal(prefix_pos[0], torch.arange(int(start_B.max())))
+    assert torch.equal(router_pos[:, 0], start_B)
+    assert torch.equal(branch_pos[:, 0], start_B.repeat_interleave(2))
+    # h at </x> from the prefix pass == the full z-free pass (the prior's input)
+    with torch.no_grad():
+        prefix = model._run_prefix(batch)
+        h_full, *_ = model._router_states(batch, n_span=int(batch.num_supervised.max()))
+    torch.testing.assert_close(prefix.h_prior_BH, h_full, atol=ATOL, rtol=ATOL)
+
+
+def test_fallbacks_are_named_and_exact(backbones):
+    model, batch = build(backbones, "llama", num_latents=2)
+    model.config.share_x_prefix = False
+    assert model.prefix_sharing_blocker(batch) == "share_x_prefix=False"
+    model.config.share_x_prefix = True
+    model.peft_model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert "gradient checkpointing" in model.prefix_sharing_blocker(batch)
+    with torch.no_grad():  # without a backward there is nothing to replay: sharing stays on
+        assert model.prefix_sharing_blocker(batch) is None
+    with pytest.warns(UserWarning, match="gradient checkpointing"):
+        out_ckpt = model(batch, mode="train")
+    model.peft_model.get_base_model().gradient_checkpointing_disable()
+    torch.testing.assert_close(model(batch, mode="train").token_nll, out_ckpt.token_nll, atol=ATOL, rtol=ATOL)
+    hf = model.peft_model.get_base_model().config
+    hf.sliding_window = 4
+    assert "sliding-window" in model.prefix_sharing_blocker(batch)
+    hf.sliding_window = 4096  # longer than the batch: the window never binds
+    assert model.prefix_sharing_blocker(batch) is None
+    with pytest.raises(ValueError, match="share_x_prefix"):
+        ModelConfig(share_x_prefix="yes")
