@@ -47,6 +47,9 @@ def scenarios(zero3_path: str) -> dict[str, dict]:
     out["zero0-mean"] = {"config": ds("zero0"), "mode": "mean", "checkpoint": False}
     out["zero1-mean"] = {"config": ds("zero1"), "mode": "mean", "checkpoint": False}
     out["zero3gc-mean"] = {"config": ds(zero3_path, gradient_checkpointing=True), "mode": "mean", "checkpoint": False}
+    out["zero3offload-mean"] = {"config": ds(zero3_path, cpu_offload=True), "mode": "mean", "checkpoint": False}
+    out["fsdp2offload-mean"] = {"config": {"engine": "fsdp2", "cpu_offload": True}, "mode": "mean", "checkpoint": False}
+    out["ddpgc-mean"] = {"config": {"engine": "local", "gradient_checkpointing": True}, "mode": "mean", "checkpoint": False}
     out["fsdp2gc-mean"] = {"config": {"engine": "fsdp2", "gradient_checkpointing": True}, "mode": "mean", "checkpoint": False}
     return out
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from zcvae import distributed as zdist
-from zcvae.engines import EngineConfig, build_engine
+from zcvae.engines import Engine, EngineConfig, build_engine
 from zcvae.engines.base import named_param_groups
 from zcvae.engines.deepspeed import BUILTIN_DEEPSPEED_CONFIGS, resolve_deepspeed_config
 from zcvae.engines.fsdp2 import find_decoder_layers
@@ -204,6 +204,7 @@ def test_local_engine_world1_contract():
     torch.manual_seed(0)
     model = _Toy()
     engine = build_engine(EngineConfig(), model=model, param_groups=_groups(model), learning_rate=1.0)
+    assert isinstance(engine, Engine)
     assert engine.world_size == 1 and engine.is_main and engine.module is model
     assert [g["lr"] for g in engine.optimizer.param_groups] == [0.1, 0.2]
     engine.set_learning_rates([0.3, 0.4])

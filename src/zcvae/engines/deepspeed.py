@@ -194,6 +194,11 @@ class DeepSpeedEngine(EngineBase):
 
         ds_config = resolve_deepspeed_config(config)
         info = zdist.init_distributed(require_group=True)
+        if config.precision == "bf16" and info.world_size > 1 and dist.get_backend() == "gloo":
+            raise ValueError("precision: bf16 collectives are not supported by gloo (CPU); use fp32 on CPU")
+        # deepspeed.initialize insists on these even for a single process started without a launcher.
+        for name, value in (("RANK", info.rank), ("WORLD_SIZE", info.world_size), ("LOCAL_RANK", info.local_rank)):
+            os.environ.setdefault(name, str(value))
         # Adopts the torch group just created (DeepSpeed needs a group even at world size 1).
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
         named_groups = named_param_groups(model, param_groups)

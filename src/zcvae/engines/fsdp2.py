@@ -81,6 +81,8 @@ class FSDP2Engine(EngineBase):
         decoder_layers: Sequence[nn.Module] | None = None,
     ):
         info = zdist.init_distributed(require_group=True)
+        if config.precision == "bf16" and info.world_size > 1 and torch.distributed.get_backend() == "gloo":
+            raise ValueError("precision: bf16 collectives are not supported by gloo (CPU); use fp32 on CPU")
         named_groups = named_param_groups(model, param_groups)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(model)
