@@ -1,0 +1,104 @@
+"""Exports of 2-rank ZeRO-3 and FSDP2 runs equal the export of a single-process run, tensor by tensor.
+
+The same global batch (8 examples per optimizer step) is trained three times through the real CLI:
+world 1 with the local engine and accumulation 2 (the reference), and world 2 under torchrun with
+ZeRO-3 and with FSDP2 (accumulation 1). Each run directory is then exported; every tensor of
+``adapter_model.safetensors`` and ``latent_heads.safetensors`` must have the reference's name and
+shape and equal it within 1e-5. This catches an export that writes only rank 0's shard of a sharded
+tensor (a bug reported elsewhere), or misses a trainable tensor on a sharded engine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zcvae.inference import export_run
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 600  # a hang fails the test instead of stalling CI (the first DeepSpeed run compiles ~25 s)
+ATOL = 1e-5
+TRAIN = ["--task", "copy", "--max-steps", "3", "--micro-batch-size", "4", "--num-train-examples", "48",
+         "--num-val-examples", "8", "--num-eval-decode-examples", "2", "--log-every", "1", "--warmup-steps", "1",
+         "--no-progress-bar", "--reference-policy", "online"]
+SCENARIOS = {
+    "zero3": ["--engine", "deepspeed", "--deepspeed-config", "zero3"],
+    "fsdp2": ["--engine", "fsdp2"],
+}
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+            "TOKENIZERS_PARALLELISM": "false", "ZCVAE_CACHE": str(tmp / ".cache"),
+            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def _run(cmd: list[str], tmp: Path) -> None:
+    try:
+        proc = subprocess.run(cmd, env=_env(tmp), cwd=tmp, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd[:6])} ... hung (> {TIMEOUT_S} s):\n{str(e.stdout or '')[-3000:]}\n{str(e.stderr or '')[-3000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
+
+
+def _make_backbone(directory: Path) -> Path:
+    from transformers import LlamaForCausalLM
+
+    from zcvae.backbone import tiny_llama_config
+    from zcvae.data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = tiny_llama_config(len(tok), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("export_dist")
+    _make_backbone(tmp / "backbone")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def reference_export(workdir) -> Path:
+    run_dir = workdir / "single"
+    _run([sys.executable, "-m", "zcvae", "train", "--backbone", str(workdir / "backbone"), "--output-dir", str(run_dir),
+          *TRAIN, "--gradient-accumulation-steps", "2"], workdir)
+    return export_run(run_dir, out=workdir / "export-single")
+
+
+# Known failure outside the export (model/engine): `zcvae train` under ZeRO-3 dies in the first backward
+# with "expand(torch.FloatTensor{[2, 32]}, size=[0])" (a K x H parameter still partitioned), after
+# DeepSpeed warns that ZCVAE.forward returns an unknown type (CVAEOutput) whose tensors its ZeRO-3
+# backward hooks cannot see. strict: when that is fixed this XPASSes; then delete the marker.
+ZERO3_TRAINING_BROKEN = pytest.mark.xfail(strict=True, reason="zcvae train under ZeRO-3 fails in backward (CVAEOutput hidden from ZeRO-3 hooks?)")
+
+
+@pytest.mark.parametrize("scenario", [pytest.param("zero3", marks=ZERO3_TRAINING_BROKEN), "fsdp2"])
+def test_two_rank_export_equals_single_process_export(workdir, reference_export, scenario):
+    run_dir = workdir / f"run-{scenario}"  # not ./zero3: a path named like a built-in DeepSpeed config wins over it
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "zcvae", "train",
+          "--backbone", str(workdir / "backbone"), "--output-dir", str(run_dir), *TRAIN, *SCENARIOS[scenario]], workdir)
+    exported = export_run(run_dir, out=workdir / f"export-{scenario}")
+    for name in ("adapter_model.safetensors", "latent_heads.safetensors"):
+        got, want = load_file(str(exported / name)), load_file(str(reference_export / name))
+        assert got.keys() == want.keys(), f"{name}: {sorted(got.keys() ^ want.keys())}"
+        for key, value in want.items():
+            assert got[key].shape == value.shape, f"{name}:{key} has shape {tuple(got[key].shape)}, single-process {tuple(value.shape)}"
+            torch.testing.assert_close(got[key], value, rtol=0, atol=ATOL, msg=lambda m, k=key: f"{name}:{k}: {m}")
+    # the run trained: the adapter moved away from LoRA's zero B
+    adapter = load_file(str(exported / "adapter_model.safetensors"))
+    assert any("lora_B" in k and bool(v.abs().max() > 0) for k, v in adapter.items())
