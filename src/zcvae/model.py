@@ -27,6 +27,7 @@ dimension, M z slots, R rows of a branch forward (B*K) or of a decode call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -198,6 +199,28 @@ class CVAEOutput:
     @property
     def prior(self) -> torch.Tensor | None:
         return None if self.prior_logits is None else self.prior_logits.softmax(-1)
+
+
+@contextlib.contextmanager
+def adapters_disabled(peft_model: nn.Module):
+    """Run the base model: every peft tuner layer (LoRA, trainable tokens) passes its input through.
+
+    Unlike ``PeftModel.disable_adapter()``, this flips only the layers' ``_disable_adapters`` flags and
+    never ``requires_grad``: peft's context sets ``requires_grad=False`` on the adapter weights and back
+    to True on exit, which under ZeRO-3 broke gradient accumulation of the partitioned trainable-token
+    delta ("expand(... size=[0])" in backward) and under FSDP2 toggled the unsharded copies.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer)]
+    previous = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, previous):
+            m._disable_adapters = flag
 
 
 def _chunks(num_rows: int, chunk: int | None) -> list[slice]:
@@ -464,9 +487,8 @@ class ZCVAE(nn.Module):
 
     def _reference(self, batch: Batch, *, n_span: int) -> tuple[torch.Tensor, torch.Tensor]:
         # no_grad, never inference_mode: inference tensors cannot mix with a sharded training graph.
-        # disable_adapter() also disables the trainable z rows (and any modules_to_save); harmless,
-        # because the z-free template has no z token.
-        with torch.no_grad(), self.peft_model.disable_adapter():
+        # Adapters off also disables the trainable z rows; harmless, the z-free template has no z token.
+        with torch.no_grad(), adapters_disabled(self.peft_model):
             out = self._lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
             nll_BT = token_nll(out.logits, batch.labels)  # (B, T-1)
             return gather_span(nll_BT, batch.labels, n_span=n_span)  # (B, N), (B, N)

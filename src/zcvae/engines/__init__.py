@@ -4,9 +4,8 @@
     engine = build_engine(EngineConfig(engine="fsdp2"), model=peft_model, param_groups=groups, learning_rate=1e-4)
     count = engine.all_reduce(torch.tensor(float(num_valid_local)))          # before the forwards
     for i, mb in enumerate(micro_batches):
-        with torch.no_grad(), engine.model.disable_adapter():
-            ref = engine.module(**mb)                                         # reference first
-        loss = per_example_loss(engine.module(**mb)).sum() / count
+        ref_nll = engine.module(mb, mode="reference")                         # reference first
+        loss = per_example_loss(engine.module(mb, mode="train"), ref_nll).sum() / count
         engine.backward(loss, sync=i == len(micro_batches) - 1)
     grad_norm = engine.step(max_grad_norm=1.0)
 
