@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from zcvae.distributed import free_cpu_cores
 from zcvae.templates import (
     IGNORE_INDEX,
     NUM_FRAME_TOKENS,
@@ -467,26 +468,6 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _available_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
-def _free_cores() -> int:
-    """Cores not already busy (1-minute load average), at least 1.
-
-    Why not all of them: a tiny model's ops are short, and OpenMP threads that share a core with
-    another process spin-wait on each other; on 2 loaded cores 2 threads ran 20x slower than 1.
-    """
-    cores = _available_cores()
-    try:
-        busy = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        busy = 0.0
-    return max(1, min(cores, cores - int(busy + 0.5)))
-
-
 def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> dict:
     """Train the backbone, write the checkpoint to ``config.output_dir`` and return the summary.
 
@@ -497,7 +478,7 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
     """
     previous_threads = torch.get_num_threads()
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(_free_cores())
+        torch.set_num_threads(free_cpu_cores())
     try:
         return _pretrain(config, log=log)
     finally:

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "all_reduce", "barrier", "dist_info", "init_distributed", "reduce_metrics"]
+__all__ = ["DistInfo", "all_reduce", "barrier", "dist_info", "free_cpu_cores", "init_distributed", "reduce_metrics"]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
@@ -179,3 +179,23 @@ def reduce_metrics(
     out |= _reduce_vector(mins, "min")
     out |= _reduce_vector(maxs, "max")
     return out
+
+
+def _available_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def free_cpu_cores() -> int:
+    """Cores not already busy (1-minute load average), at least 1.
+
+    Why not all of them: a tiny model's ops are short, and OpenMP threads that share a core with
+    another process spin-wait on each other; on 2 loaded cores 2 threads ran 20x slower than 1.
+    """
+    cores = _available_cores()
+    try:
+        busy = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        busy = 0.0
+    return max(1, min(cores, cores - int(busy + 0.5)))
