@@ -80,14 +80,7 @@ def reference_export(workdir) -> Path:
     return export_run(run_dir, out=workdir / "export-single")
 
 
-# Known failure outside the export (model/engine): `zcvae train` under ZeRO-3 dies in the first backward
-# with "expand(torch.FloatTensor{[2, 32]}, size=[0])" (a K x H parameter still partitioned), after
-# DeepSpeed warns that ZCVAE.forward returns an unknown type (CVAEOutput) whose tensors its ZeRO-3
-# backward hooks cannot see. strict: when that is fixed this XPASSes; then delete the marker.
-ZERO3_TRAINING_BROKEN = pytest.mark.xfail(strict=True, reason="zcvae train under ZeRO-3 fails in backward (CVAEOutput hidden from ZeRO-3 hooks?)")
-
-
-@pytest.mark.parametrize("scenario", [pytest.param("zero3", marks=ZERO3_TRAINING_BROKEN), "fsdp2"])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_two_rank_export_equals_single_process_export(workdir, reference_export, scenario):
     run_dir = workdir / f"run-{scenario}"  # not ./zero3: a path named like a built-in DeepSpeed config wins over it
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "zcvae", "train",
