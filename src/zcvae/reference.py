@@ -781,6 +781,7 @@ class ReferenceProvider:
             write=info.local_rank == 0,
             all_gather_object=gather,
             device=info.device,
+            num_z_slots=cfg.slot_tokens,
         )
         store = None
         if policy == "precomputed":
@@ -798,7 +799,7 @@ class ReferenceProvider:
             def recompute() -> CBase:
                 total = torch.zeros((), dtype=torch.float64, device=info.device)
                 count = torch.zeros((), dtype=torch.float64, device=info.device)
-                batches = iter_reference_batches(val, model.tokens, batch_size=cfg.micro_batch_size, rank=info.rank, world_size=info.world_size)
+                batches = iter_reference_batches(val, model.tokens, batch_size=cfg.micro_batch_size, rank=info.rank, world_size=info.world_size, num_z_slots=cfg.slot_tokens)
                 with torch.no_grad():
                     for batch, keep in batches:
                         ref_nll_BN, mask_BN = reference_output(engine.module(batch.to(info.device), mode="reference"))

@@ -158,6 +158,17 @@ class RunLogger:
             self.jsonl.close()
 
 
+def truncate_metrics(path: Path, *, after_step: int) -> None:
+    """Drop records past ``after_step``: a resumed run logs those steps again, and a reader must not
+    see a step twice."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= after_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
 def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -232,9 +243,11 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, float]:
         state = checkpoints.load(engine, cfg.resume, config=cfg, c_base=reference.c_base)
         start_step = state["step"]
         say(f"[resume] from step {start_step}")
+        if is_main:
+            truncate_metrics(run_dir / METRICS, after_step=start_step)
 
     if is_main:
-        write_json_atomic(run_dir / RUN_CONFIG, run_metadata(cfg, info.world_size, splits, train_report, val_report, reference))
+        write_json_atomic(run_dir / RUN_CONFIG, run_metadata(cfg, backbone, info.world_size, splits, train_report, val_report, reference))
     logger = RunLogger(run_dir, enabled=is_main)
     say(f"[run] {cfg.run_name}: {len(train_enc)} train / {len(val_enc)} val examples, world {info.world_size}, "
         f"engine {cfg.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
@@ -264,8 +277,9 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, float]:
             loss = terms["loss"].sum() / global_count
             if out.posterior is not None:
                 local_q_K = (out.posterior * terms["valid"][:, None]).sum(0)
-                global_q_K = engine.all_reduce(local_q_K.detach())
-                marginal, router = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=global_q_K, global_count=global_count, aux=aux)
+                # this global micro-batch's own count, not the step's: else the marginal sums to 1/accumulation
+                global_qn = engine.all_reduce(torch.cat([local_q_K.detach(), terms["valid"].detach().float().sum()[None]]))
+                marginal, router = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=global_qn[:-1], global_count=global_qn[-1], aux=aux)
                 loss = loss + marginal / len(batches)
                 for name, value in router.items():
                     window.add_scalar(name, value)
@@ -300,9 +314,10 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, float]:
     return final
 
 
-def run_metadata(cfg, world_size, splits, train_report, val_report, reference) -> dict:
+def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, reference) -> dict:
     return {
         "config": cfg.to_dict(),
+        "backbone": str(Path(backbone).resolve()),
         "reconstruction_loss_token_aggregation_mode": cfg.reconstruction_loss_token_aggregation_mode,
         "c_base": reference.c_base.to_dict(),
         "reference_policy": reference.policy,
