@@ -50,6 +50,7 @@ class TrainConfig:
     branch_chunk_size: int | None = _f(None, "Rows of the B*K branch forward per chunk, bounding activation memory (all at once when omitted).")
     z_init_noise: float = _f(0.1, "z rows start as the <znull> row plus this times the row norm of noise.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass.")
+    share_x_prefix: bool = _f(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact; falls back with a reason where unsupported).")
     # ---- reconstruction (seed 003, 001)
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Per-example token aggregation of every reconstruction term: mean or sum (then an example mean).", choices=("mean", "sum"))
     reconstruction_weight: float = _f(1.0, "Weight of reconstruction_loss (raw).")
@@ -157,6 +158,7 @@ class TrainConfig:
             branch_chunk_size=self.branch_chunk_size,
             z_init_noise=self.z_init_noise,
             gradient_checkpointing=self.gradient_checkpointing,
+            share_x_prefix=self.share_x_prefix,
             trust_remote_code=self.trust_remote_code,
         )
 
