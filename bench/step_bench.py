@@ -1,0 +1,607 @@
+"""How much a CVAE training step costs next to a plain LoRA step on the same backbone, batch and LoRA.
+
+    python bench/step_bench.py --write BENCHMARKS.md                 # CPU: both backbones, a few minutes
+    python bench/step_bench.py --quick                               # smoke run, prints only
+    python bench/step_bench.py --profile "K=4 shared+store"          # torch.profiler table of one case
+    python bench/step_bench.py --mode gpu --write BENCHMARKS.md      # one GPU: 1B Llama, bf16, local + ZeRO-3
+
+Every case is one full optimizer step (forward, backward, AdamW, clipping) through a real engine:
+(a) ``lora``: plain peft LoRA SFT on the z-free template, mean token NLL; (b) the discrete CVAE step
+of the trainer (reference, train forward, ``per_example_objective``, marginal router terms) at
+K in {1, 2, 4, 8}, with the x prefix shared or not and the reference online or from the precomputed
+store, and with chunked branches; (c) the Gaussian step; (d) the no-grad reference forward alone.
+
+Timing is round-robin: each round runs one step of every case in turn, so a burst of load from
+other processes hits all cases alike; a case's ratio to (a) is the median over rounds of its step
+time over the LoRA step time of the same round (and the same |y|). Reported step times are medians
+over the timed rounds (after warm-up rounds).
+
+Memory ("step mem") is measured afterwards, one extra step per case, as the peak rise over what the
+process held just before the step (weights, optimizer state, the other cases' models): on CPU the
+resident set size (peak reset through /proc/self/clear_refs; glibc told to serve blocks >= 64 KiB by
+mmap so freed activations leave the RSS), on a GPU ``torch.cuda.max_memory_allocated`` after a reset
+minus ``memory_allocated`` before the step.
+
+FLOPs (GPU mode, MFU) are LoRA-aware: a trained pass costs forward 2 N_frozen per token plus
+backward 2 N_frozen (activation gradients only: frozen weights get no weight gradient), attention
+scores 3x their forward, adapters 3x theirs; a no-grad pass costs its forward. "useful MFU" counts
+the trained passes, "HFU" adds the reference forward. The "model x" column is the same count on
+any device, divided by the LoRA step's: what the ratio would be if time were proportional to FLOPs.
+
+Shape legend: B examples, K branches, T z-free length, P prefix length, W suffix length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+
+from zcvae.config import TrainConfig  # noqa: E402
+from zcvae.engines import EngineConfig, build_engine  # noqa: E402
+from zcvae.losses import token_nll  # noqa: E402
+from zcvae.model import ZCVAE, ModelConfig  # noqa: E402
+from zcvae.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective  # noqa: E402
+from zcvae.reference import ReferenceStore  # noqa: E402
+from zcvae.templates import EncodedExample, collate  # noqa: E402
+
+MiB = 2**20
+
+
+# --------------------------------------------------------------------------- backbones and data
+BACKBONES = {
+    # the built-in tiny Llama (zcvae.backbone.tiny_llama_config defaults, 1.07M parameters)
+    "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=512),
+    "llama256": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
+    # Llama-3.2-1B shapes (1.24B parameters with the 128256-row vocabulary), random init
+    "llama1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192, vocab_size=128256),
+}
+
+
+def save_backbone(name: str, directory: Path, *, dtype: torch.dtype, max_positions: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zcvae.data import build_tokenizer
+
+    spec = dict(BACKBONES[name])
+    tok = build_tokenizer()
+    vocab = max(spec.pop("vocab_size", 0), len(tok) + 16)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=spec["hidden_size"], num_hidden_layers=spec["num_layers"],
+        num_attention_heads=spec["num_heads"], num_key_value_heads=spec.get("num_kv_heads", spec["num_heads"]),
+        intermediate_size=spec["intermediate_size"], max_position_embeddings=max_positions,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+
+
+def make_batch(model: ZCVAE, *, batch_size: int, x_len: int, y_len: int, seed: int = 0):
+    """B examples with exactly |x| and |y| ordinary-word tokens (no padding: tokens/s is exact)."""
+    from zcvae.data import build_tokenizer
+
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = 11, len(build_tokenizer())  # word ids of the built-in tokenizer (0-10 are specials and markers)
+    examples = [
+        EncodedExample(f"y{y_len}-{i}", tuple(torch.randint(lo, hi, (x_len,), generator=g).tolist()),
+                       tuple(torch.randint(lo, hi, (y_len,), generator=g).tolist()))
+        for i in range(batch_size)
+    ]  # fmt: skip
+    return collate(examples, model.tokens, num_z_slots=model.config.num_z_slots)
+
+
+# --------------------------------------------------------------------------- FLOP model
+def _numel(p: torch.Tensor) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 leaves an empty local shard in p
+
+
+@dataclass
+class Shape:
+    """Per-token FLOP coefficients of the backbone (forward, multiply-add = 2 FLOPs)."""
+
+    linear: float  # 2 x frozen matmul parameters of the decoder layers
+    head: float  # 2 x V x H (lm_head)
+    lora: float  # 2 x adapter parameters
+    attn: float  # 2 x 2 x (heads x head_dim) x layers: scores + weighted sum, per attended key
+
+    @classmethod
+    def of(cls, model: ZCVAE) -> "Shape":
+        cfg = model.peft_model.get_base_model().config
+        H, L, I = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
+        kv = cfg.num_key_value_heads * (H // cfg.num_attention_heads)
+        per_layer = H * H * 2 + 2 * H * kv + 3 * H * I
+        lora = sum(_numel(p) for n, p in model.peft_model.named_parameters() if "lora_" in n)
+        return cls(linear=2.0 * L * per_layer, head=2.0 * cfg.vocab_size * H, lora=2.0 * lora, attn=4.0 * H * L)
+
+    def forward(self, *, rows: int, queries: int, keys_before: int = 0, head_tokens: int | None = None) -> tuple[float, float, float]:
+        """(frozen, adapter, attention) forward FLOPs of ``rows`` x ``queries`` tokens after a cached
+        ``keys_before`` (causal: query j sees keys_before + j + 1 keys)."""
+        tokens = rows * queries
+        attended = rows * (queries * keys_before + queries * (queries + 1) / 2)
+        head = self.head * (tokens if head_tokens is None else head_tokens)
+        return self.linear * tokens + head, self.lora * tokens, self.attn * attended
+
+    @staticmethod
+    def trained(f: tuple[float, float, float]) -> float:
+        frozen, adapter, attention = f
+        return 2 * frozen + 3 * adapter + 3 * attention
+
+    @staticmethod
+    def nograd(f: tuple[float, float, float]) -> float:
+        return sum(f)
+
+
+def step_flops(shape: Shape, *, kind: str, B: int, x_len: int, y_len: int, K: int, share: bool, online: bool, slots: int = 1) -> tuple[float, float]:
+    """(useful, hardware) FLOPs of one step; the online reference forward is hardware-only."""
+    T = x_len + y_len + 6  # bos <x> x </x> <y> y </y> eos
+    P, Wy, Wz = x_len + 3, y_len + 3, y_len + 5 + slots  # prefix, z-free suffix, z-conditioned suffix
+    S = P + Wz
+    ref = shape.nograd(shape.forward(rows=B, queries=T))
+    if kind == "reference":
+        return 0.0, ref
+    if kind == "lora":
+        return shape.trained(shape.forward(rows=B, queries=T)), shape.trained(shape.forward(rows=B, queries=T))
+    if share:
+        useful = shape.trained(shape.forward(rows=B, queries=P, head_tokens=B))
+        useful += shape.trained(shape.forward(rows=B, queries=Wy, keys_before=P))
+        useful += shape.trained(shape.forward(rows=B * K, queries=Wz, keys_before=P))
+    else:
+        useful = shape.trained(shape.forward(rows=B, queries=T)) + shape.trained(shape.forward(rows=B * K, queries=S))
+    return useful, useful + (ref if online else 0.0)
+
+
+# --------------------------------------------------------------------------- cases
+@dataclass
+class Case:
+    name: str
+    table: str  # "main" | "scaling" | "gaussian" | "chunks"
+    y_len: int
+    K: int | None
+    run: Callable[[], None]
+    supervised_tokens: int
+    flops: tuple[float, float]  # useful, hardware
+    times: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    peak_bytes: float | None = None
+
+
+class Bench:
+    """Models, engines, batches and stores for one backbone; builds the step closures."""
+
+    def __init__(self, backbone_dir: str, *, args, device: torch.device, engine_cfg: EngineConfig, dtype: str):
+        self.dir, self.args, self.device, self.engine_cfg, self.dtype = backbone_dir, args, device, engine_cfg, dtype
+        self.train_cfg = TrainConfig()
+        self.recon_cfg = self.train_cfg.reconstruction_config()
+        self.aux = AuxiliaryWeights.from_train_config(self.train_cfg)
+        self.models: dict[tuple, tuple[ZCVAE, object]] = {}
+        self.batches: dict[tuple, object] = {}
+        self.stores: dict[tuple, tuple[ReferenceStore, float]] = {}
+
+    def cvae(self, *, latent: str, K: int):
+        key = (latent, K)
+        if key not in self.models:
+            if latent == "discrete":
+                cfg = ModelConfig(num_latents=K, dtype=self.dtype)
+            else:
+                cfg = ModelConfig(latent_type="continuous", latent_dim=16, num_latent_samples=K, dtype=self.dtype)
+            model = ZCVAE.from_pretrained(self.dir, cfg, seed=0)
+            model.calibrate(self.batch(model, self.args.y_len))
+            groups = model.param_groups(lora_lr=1e-4, latent_lr=1e-3, weight_decay=0.0)
+            engine = build_engine(self.engine_cfg, model=model, param_groups=groups, learning_rate=1e-4)
+            self.models[key] = (model, engine)
+        return self.models[key]
+
+    def batch(self, model: ZCVAE, y_len: int):
+        key = (y_len, model.config.num_z_slots)
+        if key not in self.batches:
+            self.batches[key] = make_batch(model, batch_size=self.args.batch_size, x_len=self.args.x_len, y_len=y_len)
+        return self.batches[key].to(self.device)
+
+    def store(self, model: ZCVAE, engine, batch) -> tuple[ReferenceStore, float]:
+        """The precomputed reference of ``batch`` (the 'precomputed' policy's steady state) and a c_base."""
+        key = tuple(batch.ids)
+        if key not in self.stores:
+            with torch.no_grad():
+                ref_BN, mask_BN = engine.module(batch, mode="reference")
+            values = {i: ref_BN[b][mask_BN[b]].float().cpu() for b, i in enumerate(batch.ids)}
+            c_base = float(ref_BN[mask_BN].float().mean())
+            self.stores[key] = (ReferenceStore.from_values(values, fingerprint="bench"), c_base)
+        return self.stores[key]
+
+    def lora(self, y_len: int) -> Callable[[], None]:
+        """A plain peft LoRA SFT step (same r, alpha, targets) on the z-free template."""
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        key = ("lora", 0)
+        if key not in self.models:
+            cfg = ModelConfig()
+            dtype = getattr(torch, self.dtype)
+            base = AutoModelForCausalLM.from_pretrained(self.dir, local_files_only=True, use_safetensors=True, dtype=dtype)
+            base.config.use_cache = False
+            lora = LoraConfig(task_type="CAUSAL_LM", r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+            peft_model = get_peft_model(base, lora)
+            peft_model.train()
+            params = [p for p in peft_model.parameters() if p.requires_grad]
+            engine = build_engine(self.engine_cfg, model=peft_model, param_groups=[{"params": params, "lr": 1e-4, "name": "lora"}], learning_rate=1e-4)
+            self.models[key] = (peft_model, engine)
+        _, engine = self.models[key]
+        template = self.cvae(latent="discrete", K=1)[0]
+        batch = self.batch(template, y_len)
+
+        def step() -> None:
+            logits = engine.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            nll_BT = token_nll(logits, batch.labels)
+            loss = nll_BT.sum() / (batch.labels[:, 1:] != -100).sum()
+            engine.backward(loss, sync=True)
+            engine.step(max_grad_norm=1.0)
+
+        return step
+
+    def reference(self, y_len: int) -> Callable[[], None]:
+        model, engine = self.cvae(latent="discrete", K=1)
+        batch = self.batch(model, y_len)
+
+        def step() -> None:
+            with torch.no_grad():
+                engine.module(batch, mode="reference")[0].sum().item()
+
+        return step
+
+    def cvae_step(self, *, latent: str, K: int, y_len: int, share: bool, online: bool, chunk: int | None = None) -> Callable[[], None]:
+        model, engine = self.cvae(latent=latent, K=K)
+        batch = self.batch(model, y_len)
+        store, c_base = self.store(model, engine, batch)
+
+        def step() -> None:
+            # cases share a model: set the switches every time
+            model.config.share_x_prefix = share
+            model.config.branch_chunk_size = chunk
+            if online:
+                with torch.no_grad():
+                    ref_nll_BN = engine.module(batch, mode="reference")[0]
+            else:
+                ref_nll_BN = store.lookup(batch.ids, device=batch.input_ids.device)[0]
+            out = engine.module(batch, mode="train")
+            terms = per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=c_base, recon_config=self.recon_cfg, kl_weight=1.0, aux=self.aux)
+            count = torch.tensor(float(len(batch)), device=batch.input_ids.device)
+            loss = terms["loss"].sum() / count
+            if out.posterior is not None:
+                local_q_K = out.posterior.sum(0)
+                marginal, _ = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=local_q_K.detach(), global_count=count, aux=self.aux)
+                loss = loss + marginal
+            engine.backward(loss, sync=True)
+            engine.step(max_grad_norm=1.0)
+
+        return step
+
+
+def build_cases(bench: Bench, *, ks: list[int], y_lens: list[int], gpu: bool) -> list[Case]:
+    args = bench.args
+    B, x_len, y0 = args.batch_size, args.x_len, args.y_len
+    shape = Shape.of(bench.cvae(latent="discrete", K=1)[0])
+    cases: list[Case] = []
+
+    def add(name, table, y_len, K, run, **flop_kw):
+        flops = step_flops(shape, B=B, x_len=x_len, y_len=y_len, K=K or 0, **flop_kw)
+        cases.append(Case(name, table, y_len, K, run, B * (y_len + 1), flops))
+
+    for y_len in sorted({y0, *y_lens}):
+        add("lora (a)", "main" if y_len == y0 else "scaling", y_len, None, bench.lora(y_len), kind="lora", share=False, online=False)
+    add("reference forward (d)", "main", y0, None, bench.reference(y0), kind="reference", share=False, online=True)
+    all_variants = [("full+online", False, True), ("shared+online", True, True), ("full+store", False, False), ("shared+store", True, False)]
+    for K in ks:
+        # every optimisation on and off at the targets' K (1 and 4); the ends elsewhere, to bound the run time
+        variants = all_variants if (K in (1, 4) and not gpu) else [all_variants[0], all_variants[3]]
+        for label, share, online in variants:
+            add(f"K={K} {label}", "main", y0, K, bench.cvae_step(latent="discrete", K=K, y_len=y0, share=share, online=online),
+                kind="cvae", share=share, online=online)
+    if not gpu:
+        for y_len in y_lens:
+            if y_len == y0:
+                continue
+            for K in ks:
+                add(f"K={K} shared+store", "scaling", y_len, K, bench.cvae_step(latent="discrete", K=K, y_len=y_len, share=True, online=False),
+                    kind="cvae", share=True, online=False)
+        Kc = max(ks)
+        for chunk in (2 * B, B):
+            add(f"K={Kc} shared+store chunk={chunk}", "chunks", y0, Kc,
+                bench.cvae_step(latent="discrete", K=Kc, y_len=y0, share=True, online=False, chunk=chunk),
+                kind="cvae", share=True, online=False)
+    for S in (1, 4):
+        for label, share in (("full+store", False), ("shared+store", True)):
+            if (gpu or S > 1) and not share:
+                continue
+            add(f"Gaussian S={S} {label}", "gaussian", y0, S, bench.cvae_step(latent="continuous", K=S, y_len=y0, share=share, online=False),
+                kind="cvae", share=share, online=False)
+    return cases
+
+
+# --------------------------------------------------------------------------- measurement
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_cases(cases: list[Case], *, rounds: int, warmup: int, device: torch.device, log) -> None:
+    """Round-robin: every round runs each case once; the start rotates so no case always follows another."""
+    lora_of = {c.y_len: c for c in cases if c.name == "lora (a)"}
+    for r in range(warmup + rounds):
+        t_round = time.perf_counter()
+        gc.collect()
+        times = {}
+        order = cases[r % len(cases):] + cases[: r % len(cases)]
+        for case in order:
+            _sync(device)
+            t0 = time.perf_counter()
+            case.run()
+            _sync(device)
+            times[case.name, case.y_len] = time.perf_counter() - t0
+        if r >= warmup:
+            for case in cases:
+                case.times.append(times[case.name, case.y_len])
+                case.ratios.append(times[case.name, case.y_len] / times["lora (a)", case.y_len])
+        log(f"  round {r + 1}/{warmup + rounds} ({'warm-up' if r < warmup else 'timed'}): {time.perf_counter() - t_round:.1f} s, load {os.getloadavg()[0]:.1f}")
+    del lora_of
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+
+
+def measure_memory(cases: list[Case], *, device: torch.device) -> None:
+    if device.type == "cuda":
+        for case in cases:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            case.run()
+            torch.cuda.synchronize(device)
+            case.peak_bytes = float(torch.cuda.max_memory_allocated(device) - before)
+        return
+    libc = ctypes.CDLL("libc.so.6")
+    # M_MMAP_THRESHOLD (-3): blocks >= 64 KiB come from mmap and go back to the OS when freed, so the
+    # resident set follows the live tensors (after the timing: page faults would distort it).
+    libc.mallopt(-3, 64 * 1024)
+    for case in cases:
+        gc.collect()
+        libc.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        before = _status_bytes("VmRSS")
+        case.run()
+        case.peak_bytes = float(_status_bytes("VmHWM") - before)
+
+
+# --------------------------------------------------------------------------- reporting
+def machine_description(device: torch.device) -> list[str]:
+    import peft
+    import transformers
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M).group(1)
+    except (OSError, AttributeError):
+        pass
+    lines = [
+        f"- CPU: {cpu}; {len(os.sched_getaffinity(0))} cores usable, torch threads {torch.get_num_threads()}",
+        f"- {platform.platform()}; Python {platform.python_version()}; torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}",
+    ]
+    if device.type == "cuda":
+        lines.append(f"- GPU: {torch.cuda.get_device_name(device)}")
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "bench"], cwd=REPO, capture_output=True, text=True, timeout=5).stdout.strip()
+        lines.append(f"- git {rev}{' (+ uncommitted changes in src/ or bench/)' if dirty else ''}")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return lines
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.1f}"
+
+
+def render(cases: list[Case], *, title: str, gpu: bool, peak_flops: float | None) -> str:
+    lora = {c.y_len: c for c in cases if c.name == "lora (a)"}
+    out = [f"#### {title}", ""]
+    tables = [("main", "Step cost at the default |y| (ratio = median over rounds of step time / LoRA step time of the same round)"),
+              ("chunks", "Chunked branches (bounded activation memory) and their time cost"),
+              ("gaussian", "Gaussian latent (S samples)"),
+              ("scaling", "Scaling in K and |y| (default path: shared prefix + reference store)")]  # fmt: skip
+    for table, caption in tables:
+        rows = [c for c in cases if c.table == table or (table == "scaling" and c.table == "main" and (c.name == "lora (a)" or c.name.endswith("shared+store")))]
+        if not rows:
+            continue
+        if table == "scaling":
+            rows = sorted(rows, key=lambda c: (c.y_len, c.K or 0))
+        head = "| case | \\|y\\| | median ms | p25-p75 ms | x LoRA | model x | sup. tok/s | step mem MiB |"
+        if gpu:
+            head += " useful MFU | HFU |"
+        out += [f"{caption}:", "", head, "|" + "---|" * (head.replace("\\|", "").count("|") - 1)]
+        for c in rows:
+            med = statistics.median(c.times)
+            q = statistics.quantiles(c.times, n=4, method="inclusive") if len(c.times) > 1 else [med, med, med]
+            ratio = statistics.median(c.ratios)
+            model_x = c.flops[1] / lora[c.y_len].flops[1] if lora.get(c.y_len) else float("nan")
+            mem = "-" if c.peak_bytes is None else f"{c.peak_bytes / MiB:.0f}"
+            line = f"| {c.name} | {c.y_len} | {_ms(med)} | {_ms(q[0])}-{_ms(q[2])} | {ratio:.2f} | {model_x:.2f} | {c.supervised_tokens / med:,.0f} | {mem} |"
+            if gpu:
+                useful = c.flops[0] / med / peak_flops if peak_flops else float("nan")
+                hardware = c.flops[1] / med / peak_flops if peak_flops else float("nan")
+                line += f" {useful:.1%} | {hardware:.1%} |"
+            out.append(line)
+        out.append("")
+    return "\n".join(out)
+
+
+def write_section(path: Path, marker: str, body: str) -> None:
+    """Replace the text between the ``marker`` comments of ``path`` (append the block when absent)."""
+    begin, end = f"<!-- {marker}:begin (generated by bench/step_bench.py) -->", f"<!-- {marker}:end -->"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def peak_flops_of(device: torch.device, override: float | None) -> float | None:
+    if override:
+        return override * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--backbones", default=None, help="comma list of " + ", ".join(BACKBONES) + " (default: tiny,llama256 on CPU, llama1b on GPU)")
+    p.add_argument("--engines", default=None, help="comma list of local,zero3 (default: local on CPU, both on GPU)")
+    p.add_argument("--batch-size", type=int, default=None, help="B (default 16 on CPU, 8 on GPU)")
+    p.add_argument("--x-len", type=int, default=None, help="|x| (default 48 on CPU, 512 on GPU)")
+    p.add_argument("--y-len", type=int, default=None, help="|y| of the main table (default = |x|)")
+    p.add_argument("--ks", default=None, help="discrete K values (default 1,2,4,8 on CPU, 1,4 on GPU)")
+    p.add_argument("--y-lens", default=None, help="|y| values of the scaling table (default 24,48,96 on CPU)")
+    p.add_argument("--rounds", type=int, default=10, help="timed rounds (median over them; >= 10 for BENCHMARKS.md)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default 1 on CPU: on a shared machine, OpenMP workers that spin-wait for a "
+                        "descheduled sibling made a 0.2 s step take 15 s; GPU mode: torch's default)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak, when the device is not in the built-in list")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds, 1 warm-up, K 1,4, no scaling table")
+    p.add_argument("--profile", default=None, metavar="CASE", help="print a torch.profiler table of one case (by name) and exit")
+    p.add_argument("--write", default=None, metavar="FILE", help="replace this script's section of FILE (e.g. BENCHMARKS.md)")
+    args = p.parse_args(argv)
+    gpu = args.mode == "gpu"
+    args.backbones = (args.backbones or ("llama1b" if gpu else "tiny,llama256")).split(",")
+    args.engines = (args.engines or ("local,zero3" if gpu else "local")).split(",")
+    for name in args.engines:
+        if name not in ("local", "zero3"):
+            raise SystemExit(f"--engines: unknown engine {name!r} (local, zero3)")
+    args.batch_size = args.batch_size or (8 if gpu else 16)
+    args.x_len = args.x_len or (512 if gpu else 48)
+    args.y_len = args.y_len or args.x_len
+    args.ks = [int(k) for k in (args.ks or ("1,4" if gpu else "1,2,4,8")).split(",")]
+    args.y_lens = [int(y) for y in (args.y_lens or ("" if gpu else f"{args.y_len // 2},{args.y_len},{args.y_len * 2}")).split(",") if y]
+    if args.quick:
+        args.rounds, args.warmup, args.ks, args.y_lens = 2, 1, [1, 4], [args.y_len]
+    for name in args.backbones:
+        if name not in BACKBONES:
+            raise SystemExit(f"--backbones: unknown backbone {name!r} (known: {', '.join(BACKBONES)})")
+    if args.write and args.rounds < 10:
+        raise SystemExit("--write needs --rounds >= 10 (the issue's minimum for a recorded table)")
+    return args
+
+
+def engine_config(name: str, *, gpu: bool) -> EngineConfig:
+    precision = "bf16" if gpu else "fp32"
+    if name == "zero3":
+        return EngineConfig(engine="deepspeed", deepspeed_config="zero3", precision=precision)
+    return EngineConfig(engine="local", precision=precision)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    gpu = args.mode == "gpu"
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("--mode gpu: no CUDA device visible")
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if args.threads or not gpu:
+        torch.set_num_threads(args.threads or 1)
+    command = "python " + " ".join([os.path.relpath(__file__, REPO), *(argv if argv is not None else sys.argv[1:])])
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    load_before = os.getloadavg()
+    t_start = time.time()
+    sections = []
+    max_positions = args.x_len + 2 * max([args.y_len, *args.y_lens]) + 16
+    with tempfile.TemporaryDirectory(prefix="zcvae-bench-") as tmp:
+        for backbone in args.backbones:
+            directory = Path(tmp) / backbone
+            save_backbone(backbone, directory, dtype=torch.bfloat16 if gpu else torch.float32, max_positions=max_positions)
+            for engine_name in args.engines:
+                log(f"[bench] {backbone} / engine {engine_name}: building models")
+                bench = Bench(str(directory), args=args, device=device, engine_cfg=engine_config(engine_name, gpu=gpu),
+                              dtype="bfloat16" if gpu else "float32")
+                cases = build_cases(bench, ks=args.ks, y_lens=args.y_lens, gpu=gpu)
+                if args.profile:
+                    return profile_case(cases, args.profile, device=device)
+                n_params = sum(_numel(p) for p in bench.cvae(latent="discrete", K=1)[0].peft_model.get_base_model().parameters())
+                log(f"[bench] {len(cases)} cases, {n_params / 1e6:.2f}M backbone parameters; timing {args.warmup} + {args.rounds} rounds")
+                time_cases(cases, rounds=args.rounds, warmup=args.warmup, device=device, log=log)
+                measure_memory(cases, device=device)
+                title = f"{backbone} ({n_params / 1e6:.2f}M parameters), engine {engine_name}, B={args.batch_size}, |x|={args.x_len}"
+                peak = peak_flops_of(device, args.peak_tflops)
+                sections.append(render(cases, title=title, gpu=gpu or peak is not None, peak_flops=peak))
+                print(sections[-1], flush=True)
+                del bench, cases
+                gc.collect()
+    load_after = os.getloadavg()
+    header = [
+        f"Command: `{command}`",
+        "",
+        f"Run: {time.strftime('%Y-%m-%d %H:%M', time.localtime(t_start))}, {time.time() - t_start:.0f} s; "
+        f"load average (1/5/15 min) {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f} before, "
+        f"{load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f} after",
+        *machine_description(device),
+        "",
+    ]
+    body = "\n".join(header) + "\n" + "\n".join(sections)
+    if args.write:
+        write_section(Path(args.write), f"step_bench:{args.mode}", body)
+        log(f"[bench] wrote {args.write}")
+    return 0
+
+
+def profile_case(cases: list[Case], name: str, *, device: torch.device) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    matches = [c for c in cases if c.name == name]
+    if not matches:
+        raise SystemExit(f"--profile: no case named {name!r}; cases: {sorted({c.name for c in cases})}")
+    case = matches[0]
+    for _ in range(2):
+        case.run()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            case.run()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total" if device.type == "cpu" else "self_cuda_time_total", row_limit=30))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
