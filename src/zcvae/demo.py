@@ -30,7 +30,7 @@ PILOT = {
 DEMO_BASE = {
     "num_latents": 2,
     "kl_weight": 1.0,
-    "max_steps": 240,
+    "max_steps": 300,
     "micro_batch_size": 64,
     "log_every": 20,
     "num_train_examples": 4000,
@@ -64,7 +64,7 @@ def run_demo(*, output_dir: str = "runs/demo", quick: bool = False, seeds: int =
         for i, (name, overrides) in enumerate(PILOT.items()):
             run_dir = out / "runs" / f"{name}_seed-{seed}"
             log(f"[demo] 2/3 run {i + 1}/{len(PILOT)} (seed {seed}): {name}")
-            cfg = TrainConfig.from_dict({**base, **overrides, "task": DEFAULT_TASK, "backbone": str(backbone), "seed": seed, "output_dir": str(run_dir), "progress_bar": not quick})
+            cfg = TrainConfig.from_dict({**base, **overrides, "task": DEFAULT_TASK, "backbone": str(backbone), "seed": seed, "output_dir": str(run_dir), "run_name": f"{name}_seed-{seed}", "progress_bar": not quick})
             train(cfg, log=log)
             run_dirs.append(run_dir)
     rows = aggregate_runs([str(d) for d in run_dirs], group_seeds=seeds > 1)
