@@ -403,7 +403,7 @@ def test_provider_online_and_precomputed_agree(tmp_path, llama):
 
     def cfg(policy, scale=None, mode="sum"):
         return SimpleNamespace(reference_policy=policy, reference_cache_dir=str(tmp_path / "cache"), micro_batch_size=3,
-                               reconstruction_loss_token_aggregation_mode=mode, zfree_reference_scale=scale, precision="fp32", seed=0)
+                               reconstruction_loss_token_aggregation_mode=mode, zfree_reference_scale=scale, precision="fp32", seed=0, slot_tokens=1)
 
     def build(c, passes=2.0):
         return ReferenceProvider.build(c, engine=engine, model=model, backbone=tmp_path / "backbone", train=train, val=val, passes=passes, log=lambda *_: None)
