@@ -344,6 +344,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def cpu_malloc(mode: str) -> None:
+    """glibc's allocator for the timing. "caching": every block from the heap (M_MMAP_MAX = 0) and the
+    heap never trimmed, so freed activations are reused without page faults, as the CUDA caching
+    allocator (or jemalloc/tcmalloc) does. glibc's default serves blocks above a threshold (at most
+    32 MiB) by mmap and unmaps them on free: every step then faults its big activations in again,
+    which cost the K=4 full-path step of the 256-wide backbone 0.2-0.6 s of 3 s in system time while
+    the smaller LoRA step was untouched."""
+    if mode == "caching":
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)  # M_MMAP_MAX
+        libc.mallopt(-1, 1 << 40)  # M_TRIM_THRESHOLD
+
+
 def time_cases(cases: list[Case], *, rounds: int, warmup: int, device: torch.device, log) -> None:
     """Round-robin: every round runs each case once; the start rotates so no case always follows another."""
     lora_of = {c.y_len: c for c in cases if c.name == "lora (a)"}
@@ -382,9 +395,11 @@ def measure_memory(cases: list[Case], *, device: torch.device) -> None:
             case.peak_bytes = float(torch.cuda.max_memory_allocated(device) - before)
         return
     libc = ctypes.CDLL("libc.so.6")
-    # M_MMAP_THRESHOLD (-3): blocks >= 64 KiB come from mmap and go back to the OS when freed, so the
-    # resident set follows the live tensors (after the timing: page faults would distort it).
-    libc.mallopt(-3, 64 * 1024)
+    # blocks >= 64 KiB come from mmap and go back to the OS when freed, so the resident set follows the
+    # live tensors (after the timing: the page faults would distort it)
+    libc.mallopt(-4, 65536)  # M_MMAP_MAX back to its default
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
     for case in cases:
         gc.collect()
         libc.malloc_trim(0)
@@ -396,7 +411,7 @@ def measure_memory(cases: list[Case], *, device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- reporting
-def machine_description(device: torch.device) -> list[str]:
+def machine_description(device: torch.device, *, malloc: str = "") -> list[str]:
     import peft
     import transformers
 
@@ -407,7 +422,8 @@ def machine_description(device: torch.device) -> list[str]:
     except (OSError, AttributeError):
         pass
     lines = [
-        f"- CPU: {cpu}; {len(os.sched_getaffinity(0))} cores usable, torch threads {torch.get_num_threads()}",
+        f"- CPU: {cpu}; {len(os.sched_getaffinity(0))} cores usable, torch threads {torch.get_num_threads()}"
+        + ("" if device.type == "cuda" else f", malloc {malloc}"),
         f"- {platform.platform()}; Python {platform.python_version()}; torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}",
     ]
     if device.type == "cuda":
@@ -501,6 +517,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default 1 on CPU: on a shared machine, OpenMP workers that spin-wait for a "
                         "descheduled sibling made a 0.2 s step take 15 s; GPU mode: torch's default)")
+    p.add_argument("--malloc", choices=("caching", "glibc"), default="caching",
+                   help="CPU timing: glibc as a caching allocator (default; see cpu_malloc) or glibc's own defaults")
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak, when the device is not in the built-in list")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds, 1 warm-up, K 1,4, no scaling table")
     p.add_argument("--profile", default=None, metavar="CASE", help="print a torch.profiler table of one case (by name) and exit")
@@ -542,6 +560,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     if args.threads or not gpu:
         torch.set_num_threads(args.threads or 1)
+    if not gpu:
+        cpu_malloc(args.malloc)
     command = "python " + " ".join([os.path.relpath(__file__, REPO), *(argv if argv is not None else sys.argv[1:])])
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     load_before = os.getloadavg()
@@ -576,7 +596,7 @@ def main(argv=None) -> int:
         f"Run: {time.strftime('%Y-%m-%d %H:%M', time.localtime(t_start))}, {time.time() - t_start:.0f} s; "
         f"load average (1/5/15 min) {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f} before, "
         f"{load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f} after",
-        *machine_description(device),
+        *machine_description(device, malloc=args.malloc),
         "",
     ]
     body = "\n".join(header) + "\n" + "\n".join(sections)

@@ -586,8 +586,8 @@ class ZCVAE(nn.Module):
         if not self.config.share_x_prefix:
             return "share_x_prefix=False"
         hf = self.peft_model.get_base_model()
-        params = inspect.signature(hf.forward).parameters
-        if "position_ids" not in params or not ({"cache", "past_key_values"} & set(params)):
+        params = self._forward_params()
+        if "position_ids" not in params or not ({"cache", "past_key_values"} & params):
             return f"{type(hf).__name__}.forward takes no position_ids or no cache"
         if torch.is_grad_enabled() and any(
             getattr(m, "gradient_checkpointing", False) is True and m.training for m in hf.modules()
@@ -611,10 +611,15 @@ class ZCVAE(nn.Module):
             seen.add(message)
             warnings.warn(message, stacklevel=3)
 
+    def _forward_params(self) -> frozenset[str]:
+        """Parameter names of the Hugging Face model's forward (read once: inspect is slow per step)."""
+        if "_hf_forward_params" not in self.__dict__:
+            self.__dict__["_hf_forward_params"] = frozenset(inspect.signature(self.peft_model.get_base_model().forward).parameters)
+        return self.__dict__["_hf_forward_params"]
+
     def _cache_kwarg(self) -> str:
         # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes in 5.40).
-        params = inspect.signature(self.peft_model.get_base_model().forward).parameters
-        return "cache" if "cache" in params else "past_key_values"
+        return "cache" if "cache" in self._forward_params() else "past_key_values"
 
     def _run_prefix(self, batch: Batch) -> _SharedPrefix:
         """One LoRA-adapted forward of ``<bos> <x> {x} </x>`` per example (right-padded)."""
@@ -628,8 +633,7 @@ class ZCVAE(nn.Module):
         ids_BP = batch.input_ids[:, :P].masked_fill(mask_BP == 0, self.tokens.pad)
         cache = DynamicCache()  # no config: plain layers that keep every column
         kwargs = {self._cache_kwarg(): cache}
-        hf = self.peft_model.get_base_model()
-        if "logits_to_keep" in inspect.signature(hf.forward).parameters:
+        if "logits_to_keep" in self._forward_params():
             kwargs["logits_to_keep"] = 1  # the prefix supervises nothing: skip its (B, P, V) logits
         out = self.peft_model(
             input_ids=ids_BP,
@@ -645,17 +649,28 @@ class ZCVAE(nn.Module):
         rows = torch.arange(h_BPH.shape[0], device=device)
         return _SharedPrefix(kv=kv, mask_BP=mask_BP, length_B=length_B, h_prior_BH=h_BPH[rows, length_B - 1])
 
-    def _lm_after_prefix(self, prefix: _SharedPrefix, example_R, *, attention_mask, input_ids=None, inputs_embeds=None, hidden: bool = False):
-        """A suffix forward of rows r (example ``example_R[r]``, None = one row per example) on the
-        cached prefix; ``attention_mask`` (R, W) covers the suffix only."""
+    def _lm_after_prefix(
+        self, prefix: _SharedPrefix, *, rows: slice | None = None, reps: int = 1, attention_mask, input_ids=None, inputs_embeds=None, hidden: bool = False
+    ):
+        """A suffix forward on the cached prefix. Its rows are ``rows`` of the layout r = i*reps + k
+        (all B*reps when None); ``attention_mask`` (R, W) covers the suffix only."""
         from transformers import DynamicCache
 
-        if example_R is None:
-            kv = prefix.kv
-            mask_RP, start_R = prefix.mask_BP, prefix.length_B
-        else:
-            kv = [(k.index_select(0, example_R), v.index_select(0, example_R)) for k, v in prefix.kv]
-            mask_RP, start_R = prefix.mask_BP[example_R], prefix.length_B[example_R]
+        B = prefix.mask_BP.shape[0]
+        lo, hi = (0, B * reps) if rows is None else (rows.start, rows.stop)
+        e0, e1 = lo // reps, (hi - 1) // reps + 1  # the examples these rows belong to
+
+        def repeat(t: torch.Tensor) -> torch.Tensor:
+            # expand + reshape rather than index_select: its backward is a sum over the copies, where
+            # index_select's is a scatter-add
+            if reps == 1 and (e0, e1) == (0, B):
+                return t
+            t = t[e0:e1]
+            t = t.unsqueeze(1).expand(t.shape[0], reps, *t.shape[1:]).reshape(-1, *t.shape[1:])
+            return t[lo - e0 * reps : hi - e0 * reps]
+
+        kv = [(repeat(k), repeat(v)) for k, v in prefix.kv]
+        mask_RP, start_R = repeat(prefix.mask_BP), repeat(prefix.length_B)
         W = attention_mask.shape[1]
         position_RW = start_R[:, None] + torch.arange(W, device=start_R.device)
         return self.peft_model(
@@ -672,7 +687,7 @@ class ZCVAE(nn.Module):
     def _router_states_shared(self, batch: Batch, prefix: _SharedPrefix, *, n_span: int):
         """``_router_states`` on the shared prefix: the z-free suffix ``<y> y </y> <eos>`` only."""
         ids_BW, mask_BW, labels_BW = _suffix(batch.input_ids, batch.attention_mask, batch.labels, prefix.length_B, pad=self.tokens.pad)
-        out = self._lm_after_prefix(prefix, None, input_ids=ids_BW, attention_mask=mask_BW, hidden=True)
+        out = self._lm_after_prefix(prefix, input_ids=ids_BW, attention_mask=mask_BW, hidden=True)
         h_BWH = out.hidden_states[-1]
         rows = torch.arange(h_BWH.shape[0], device=h_BWH.device)
         h_post = h_BWH[rows, batch.y_close_pos.to(h_BWH.device) - prefix.length_B]  # (B, H) sees x and y
@@ -681,32 +696,31 @@ class ZCVAE(nn.Module):
 
     def _branch_rows(self, batch: Batch, *, reps: int, prefix: _SharedPrefix | None):
         """The z-conditioned rows r = i*reps + k, full or (with ``prefix``) their suffixes after </x>
-        -> ids_RS, mask_RS, labels_RS, slot_start_R (column of the first slot), example_R."""
+        -> ids_RS, mask_RS, labels_RS, slot_start_R (column of the first slot)."""
         if prefix is None:
             ids, mask, labels, slot = batch.z_input_ids, batch.z_attention_mask, batch.z_labels, batch.z_slot_start
         else:
             ids, mask, labels = _suffix(batch.z_input_ids, batch.z_attention_mask, batch.z_labels, prefix.length_B, pad=self.tokens.pad)
             slot = batch.z_slot_start.to(prefix.length_B.device) - prefix.length_B  # = 1, after <z>
         example_R = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(reps)
-        return ids[example_R], mask[example_R], labels[example_R], slot.to(ids.device)[example_R], example_R
+        return ids[example_R], mask[example_R], labels[example_R], slot.to(ids.device)[example_R]
 
-    def _branch_lm(self, prefix: _SharedPrefix | None, example_R, **inputs):
+    def _branch_lm(self, prefix: _SharedPrefix | None, rows: slice, reps: int, **inputs):
         if prefix is None:
             return self._lm(**inputs)
-        return self._lm_after_prefix(prefix, example_R, **inputs)
+        return self._lm_after_prefix(prefix, rows=rows, reps=reps, **inputs)
 
     def _discrete_branches(self, batch: Batch, *, latent_index_R: torch.Tensor, n_span: int, prefix: _SharedPrefix | None = None) -> torch.Tensor:
         """Rows r = i*K + k: example i with latent latent_index_R[r] in its slot -> nll_RN."""
         R = latent_index_R.shape[0]
         reps = R // batch.z_input_ids.shape[0]
-        ids_RS, mask_RS, labels_RS, slot_R, example_R = self._branch_rows(batch, reps=reps, prefix=prefix)
-        ids_RS = ids_RS.clone()
+        ids_RS, mask_RS, labels_RS, slot_R = self._branch_rows(batch, reps=reps, prefix=prefix)
         latent_ids = torch.tensor(self.tokens.latents, device=ids_RS.device)
         rows = torch.arange(R, device=ids_RS.device)
         ids_RS[rows, slot_R] = latent_ids[latent_index_R.to(ids_RS.device)]
         parts = []
         for c in _chunks(R, self.config.branch_chunk_size):
-            logits = self._branch_lm(prefix, example_R[c], input_ids=ids_RS[c], attention_mask=mask_RS[c]).logits  # (r, S, V)
+            logits = self._branch_lm(prefix, c, reps, input_ids=ids_RS[c], attention_mask=mask_RS[c]).logits  # (r, S, V)
             parts.append(gather_span(token_nll(logits, labels_RS[c]), labels_RS[c], n_span=n_span)[0])
         return torch.cat(parts, 0)  # (R, N)
 
@@ -722,11 +736,11 @@ class ZCVAE(nn.Module):
     def _soft_prompt_branches(self, batch: Batch, *, z_RD: torch.Tensor, n_span: int, prefix: _SharedPrefix | None = None) -> torch.Tensor:
         R = z_RD.shape[0]
         reps = R // batch.z_input_ids.shape[0]
-        ids_RS, mask_RS, labels_RS, slot_R, example_R = self._branch_rows(batch, reps=reps, prefix=prefix)
+        ids_RS, mask_RS, labels_RS, slot_R = self._branch_rows(batch, reps=reps, prefix=prefix)
         parts = []
         for c in _chunks(R, self.config.branch_chunk_size):
             embeds = self._slot_embeds(ids_RS[c], slot_R[c], z_RD[c])
-            logits = self._branch_lm(prefix, example_R[c], inputs_embeds=embeds, attention_mask=mask_RS[c]).logits
+            logits = self._branch_lm(prefix, c, reps, inputs_embeds=embeds, attention_mask=mask_RS[c]).logits
             parts.append(gather_span(token_nll(logits, labels_RS[c]), labels_RS[c], n_span=n_span)[0])
         return torch.cat(parts, 0)  # (R, N)
 
