@@ -25,6 +25,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from zcvae.config import RECONSTRUCTION_WEIGHT_FIELDS
+from zcvae.naming import ABBREVIATIONS
+
 __all__ = [
     "DEFAULT_METRICS",
     "RECONSTRUCTION_WEIGHT_ABBREVIATIONS",
@@ -50,15 +53,8 @@ DEFAULT_METRICS: tuple[str, ...] = (
     "answer_accuracy",
 )
 
-# Config field -> short name in the "recon" column; order is the order of the seed notes' six terms.
-RECONSTRUCTION_WEIGHT_ABBREVIATIONS: dict[str, str] = {
-    "reconstruction_weight": "raw",
-    "distribution_normalized_reconstruction_weight": "dist",
-    "example_inverse_surprisal_weighted_reconstruction_weight": "ex",
-    "token_weighted_reconstruction_weight": "tok",
-    "normalized_concentration_corrected_token_weighted_reconstruction_weight": "tokcc",
-    "normalized_inverse_surprisal_token_weighted_reconstruction_weight": "tokinv",
-}
+# Config field -> short name in the "recon" column (the run names' abbreviations), in seed order.
+RECONSTRUCTION_WEIGHT_ABBREVIATIONS: dict[str, str] = {field: ABBREVIATIONS[field] for field in RECONSTRUCTION_WEIGHT_FIELDS}
 
 # Identity columns of a row, in table order, before the seed columns and the metrics.
 _IDENTITY_COLUMNS = ("name", "latent", "mode", "recon", "alpha", "beta")
