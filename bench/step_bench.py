@@ -205,7 +205,9 @@ class Bench:
             else:
                 cfg = ModelConfig(latent_type="continuous", latent_dim=16, num_latent_samples=K, dtype=self.dtype)
             model = ZCVAE.from_pretrained(self.dir, cfg, seed=0)
-            model.calibrate(self.batch(model, self.args.y_len))
+            # as the trainer: router statistics before the engine, here from a small CPU batch (their
+            # values do not change the cost; a 1B model on CPU would take minutes on the full batch)
+            model.calibrate(make_batch(model, batch_size=4, x_len=8, y_len=8, seed=1))
             groups = model.param_groups(lora_lr=1e-4, latent_lr=1e-3, weight_decay=0.0)
             engine = build_engine(self.engine_cfg, model=model, param_groups=groups, learning_rate=1e-4)
             self.models[key] = (model, engine)
@@ -522,6 +524,7 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak, when the device is not in the built-in list")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds, 1 warm-up, K 1,4, no scaling table")
     p.add_argument("--profile", default=None, metavar="CASE", help="print a torch.profiler table of one case (by name) and exit")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--write", default=None, metavar="FILE", help="replace this script's section of FILE (e.g. BENCHMARKS.md)")
     args = p.parse_args(argv)
     gpu = args.mode == "gpu"
@@ -552,6 +555,46 @@ def engine_config(name: str, *, gpu: bool) -> EngineConfig:
     return EngineConfig(engine="local", precision=precision)
 
 
+def run_one(args, backbone: str, engine_name: str, *, device: torch.device, log) -> str:
+    """Time one (backbone, engine) and return its Markdown section (or run --profile)."""
+    gpu = args.mode == "gpu"
+    max_positions = args.x_len + 2 * max([args.y_len, *args.y_lens]) + 16
+    with tempfile.TemporaryDirectory(prefix="zcvae-bench-") as tmp:
+        directory = Path(tmp) / backbone
+        save_backbone(backbone, directory, dtype=torch.bfloat16 if gpu else torch.float32, max_positions=max_positions)
+        log(f"[bench] {backbone} / engine {engine_name}: building models")
+        bench = Bench(str(directory), args=args, device=device, engine_cfg=engine_config(engine_name, gpu=gpu),
+                      dtype="bfloat16" if gpu else "float32")
+        cases = build_cases(bench, ks=args.ks, y_lens=args.y_lens, gpu=gpu)
+        if args.profile:
+            profile_case(cases, args.profile, device=device)
+            return ""
+        n_params = sum(_numel(p) for p in bench.cvae(latent="discrete", K=1)[0].peft_model.get_base_model().parameters())
+        log(f"[bench] {len(cases)} cases, {n_params / 1e6:.2f}M backbone parameters; timing {args.warmup} + {args.rounds} rounds")
+        time_cases(cases, rounds=args.rounds, warmup=args.warmup, device=device, log=log)
+        measure_memory(cases, device=device)
+    title = f"{backbone} ({n_params / 1e6:.2f}M parameters), engine {engine_name}, B={args.batch_size}, |x|={args.x_len}"
+    peak = peak_flops_of(device, args.peak_tflops)
+    return render(cases, title=title, gpu=gpu or peak is not None, peak_flops=peak)
+
+
+SECTION_START = "<!-- step_bench child section -->"
+
+
+def child_argv(args, backbone: str, engine_name: str) -> list[str]:
+    """The arguments of a child process that times one (backbone, engine): each gets a fresh heap
+    and a fresh allocator setting (the memory pass of one backbone must not slow the next one's timing)."""
+    out = ["--mode", args.mode, "--backbones", backbone, "--engines", engine_name, "--batch-size", str(args.batch_size),
+           "--x-len", str(args.x_len), "--y-len", str(args.y_len), "--ks", ",".join(map(str, args.ks)),
+           "--y-lens", ",".join(map(str, args.y_lens)), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+           "--malloc", args.malloc, "--child"]  # fmt: skip
+    if args.threads:
+        out += ["--threads", str(args.threads)]
+    if args.peak_tflops:
+        out += ["--peak-tflops", str(args.peak_tflops)]
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     gpu = args.mode == "gpu"
@@ -560,35 +603,27 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     if args.threads or not gpu:
         torch.set_num_threads(args.threads or 1)
-    if not gpu:
-        cpu_malloc(args.malloc)
-    command = "python " + " ".join([os.path.relpath(__file__, REPO), *(argv if argv is not None else sys.argv[1:])])
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    if args.child or args.profile:
+        if not gpu:
+            cpu_malloc(args.malloc)
+        section = run_one(args, args.backbones[0], args.engines[0], device=device, log=log)
+        print(SECTION_START + "\n" + section if args.child else section, flush=True)
+        return 0
+    command = "python " + " ".join([os.path.relpath(__file__, REPO), *(argv if argv is not None else sys.argv[1:])])
     load_before = os.getloadavg()
     t_start = time.time()
+    machine = machine_description(device, malloc=args.malloc)  # before the run: the revision that ran
     sections = []
-    max_positions = args.x_len + 2 * max([args.y_len, *args.y_lens]) + 16
-    with tempfile.TemporaryDirectory(prefix="zcvae-bench-") as tmp:
-        for backbone in args.backbones:
-            directory = Path(tmp) / backbone
-            save_backbone(backbone, directory, dtype=torch.bfloat16 if gpu else torch.float32, max_positions=max_positions)
-            for engine_name in args.engines:
-                log(f"[bench] {backbone} / engine {engine_name}: building models")
-                bench = Bench(str(directory), args=args, device=device, engine_cfg=engine_config(engine_name, gpu=gpu),
-                              dtype="bfloat16" if gpu else "float32")
-                cases = build_cases(bench, ks=args.ks, y_lens=args.y_lens, gpu=gpu)
-                if args.profile:
-                    return profile_case(cases, args.profile, device=device)
-                n_params = sum(_numel(p) for p in bench.cvae(latent="discrete", K=1)[0].peft_model.get_base_model().parameters())
-                log(f"[bench] {len(cases)} cases, {n_params / 1e6:.2f}M backbone parameters; timing {args.warmup} + {args.rounds} rounds")
-                time_cases(cases, rounds=args.rounds, warmup=args.warmup, device=device, log=log)
-                measure_memory(cases, device=device)
-                title = f"{backbone} ({n_params / 1e6:.2f}M parameters), engine {engine_name}, B={args.batch_size}, |x|={args.x_len}"
-                peak = peak_flops_of(device, args.peak_tflops)
-                sections.append(render(cases, title=title, gpu=gpu or peak is not None, peak_flops=peak))
-                print(sections[-1], flush=True)
-                del bench, cases
-                gc.collect()
+    for backbone in args.backbones:
+        for engine_name in args.engines:
+            proc = subprocess.run([sys.executable, __file__, *child_argv(args, backbone, engine_name)], stdout=subprocess.PIPE, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"[bench] {backbone} / {engine_name} failed (exit {proc.returncode})")
+            if SECTION_START not in proc.stdout:
+                raise SystemExit(f"[bench] {backbone} / {engine_name} printed no table:\n{proc.stdout[-2000:]}")
+            sections.append(proc.stdout.split(SECTION_START, 1)[1].strip() + "\n")  # libraries print to stdout too
+            print(sections[-1], flush=True)
     load_after = os.getloadavg()
     header = [
         f"Command: `{command}`",
@@ -596,7 +631,7 @@ def main(argv=None) -> int:
         f"Run: {time.strftime('%Y-%m-%d %H:%M', time.localtime(t_start))}, {time.time() - t_start:.0f} s; "
         f"load average (1/5/15 min) {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f} before, "
         f"{load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f} after",
-        *machine_description(device, malloc=args.malloc),
+        *machine,
         "",
     ]
     body = "\n".join(header) + "\n" + "\n".join(sections)
