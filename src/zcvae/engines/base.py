@@ -162,6 +162,10 @@ class EngineBase:
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite float or None, got {max_grad_norm!r}")
 
+    def set_learning_rates(self, lrs: Sequence[float]) -> None:
+        for group, lr in zip(self.optimizer.param_groups, self._check_lrs(lrs)):
+            group["lr"] = lr
+
     def _check_lrs(self, lrs: Sequence[float]) -> list[float]:
         lrs = [float(lr) for lr in lrs]
         if len(lrs) != self._num_groups:

@@ -116,10 +116,6 @@ class LocalEngine(EngineBase):
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def set_learning_rates(self, lrs: Sequence[float]) -> None:
-        for group, lr in zip(self.optimizer.param_groups, self._check_lrs(lrs)):
-            group["lr"] = lr
-
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         if not self.is_main:
             return {}
