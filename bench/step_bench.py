@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
 from zcvae.config import TrainConfig  # noqa: E402
+from zcvae.distributed import flush_denormals  # noqa: E402
 from zcvae.engines import EngineConfig, build_engine  # noqa: E402
 from zcvae.losses import token_nll  # noqa: E402
 from zcvae.model import ZCVAE, ModelConfig  # noqa: E402
@@ -604,6 +605,8 @@ def main(argv=None) -> int:
     if args.threads or not gpu:
         torch.set_num_threads(args.threads or 1)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    if not gpu:
+        flush_denormals(log=log)
     if args.child or args.profile:
         if not gpu:
             cpu_malloc(args.malloc)

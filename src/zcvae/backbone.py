@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zcvae.distributed import free_cpu_cores
+from zcvae.distributed import flush_denormals, free_cpu_cores
 from zcvae.templates import (
     IGNORE_INDEX,
     NUM_FRAME_TOKENS,
@@ -478,6 +478,7 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
     strategy), the floor ``log S`` nats per sequence for a built-in task with S strategies revealed by
     the first y token, and the decoding report when a task parser is available.
     """
+    flush_denormals(log=log)
     previous_threads = torch.get_num_threads()
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(free_cpu_cores())

@@ -181,6 +181,21 @@ def reduce_metrics(
     return out
 
 
+def flush_denormals(*, log=None) -> bool:
+    """Make this process's CPU math flush subnormal floats to zero; returns whether the CPU supports it.
+
+    Why: once the posterior collapses, the gradients and AdamW moments of unused z rows and router
+    weights decay into subnormals, and MKL's sgemm runs those several-fold slower (measured on the
+    demo: 0.5 -> 3.3 s/step). Values below ~1e-38 carry nothing the optimiser can use.
+    """
+    torch.set_flush_denormal(True)
+    # Measured rather than taken from the return value: a subnormal times one must come out zero.
+    supported = bool((torch.tensor(1e-40, dtype=torch.float32) * 1.0).item() == 0.0)
+    if log is not None:
+        log("cpu: subnormal floats flushed to zero" if supported else "cpu: this CPU cannot flush subnormal floats; steps may slow once gradients decay")
+    return supported
+
+
 def _available_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))

@@ -655,6 +655,9 @@ def evaluate_run(
     from zcvae.reference import CBase, ReferenceProvider
     from zcvae.templates import encode_examples
 
+    from zcvae.distributed import flush_denormals
+
+    flush_denormals()
     run_dir = Path(run_dir)
     record_path = run_dir / "run_config.json"
     if not record_path.is_file():

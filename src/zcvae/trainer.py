@@ -29,7 +29,7 @@ import torch
 from zcvae import __version__
 from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at
 from zcvae.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
-from zcvae.distributed import free_cpu_cores, init_distributed, reduce_metrics
+from zcvae.distributed import flush_denormals, free_cpu_cores, init_distributed, reduce_metrics
 from zcvae.losses import DIAGNOSTIC_REDUCTIONS
 from zcvae.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.templates import collate, encode_examples
@@ -194,6 +194,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, float]:
     # 1. processes, seeds, run directory
     info = init_distributed(require_group=cfg.engine == "deepspeed")
     is_main = info.rank == 0
+    flush_denormals(log=log if is_main else None)
     if info.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # OpenMP threads sharing a busy core spin-wait on each other: on 2 loaded cores a CVAE step
         # with 2 threads ran up to 10x slower than with 1 (torchrun sets OMP_NUM_THREADS=1 itself).
