@@ -69,7 +69,6 @@ from zcvae.metrics import (
     discrete_latent_metrics,
     gaussian_latent_metrics,
     information_gain_by_position,
-    kmeans,
     plot_latent_figure,
 )
 from zcvae.templates import EncodedExample, TemplateTokens, collate
@@ -456,9 +455,8 @@ def summarize(
                     scalars[key] = float(lat[key])
             details["mean_variance_per_dim"] = lat["mean_variance_per_dim"]
             if "num_clusters" in lat:
-                # The same k-means (same seed and inputs) as gaussian_latent_metrics, for the figure.
                 keep = [i for i, s in enumerate(labels) if s is not None]
-                clusters, _, _ = kmeans(mu_ND[keep], num_clusters=int(lat["num_clusters"]), seed=cfg.seed)
+                clusters = lat["cluster_labels"]  # of the labelled rows, in order
                 strategies = sorted({labels[i] for i in keep}, key=str)
                 confusion = np.zeros((int(lat["num_clusters"]), len(strategies)), dtype=np.int64)
                 for c, i in zip(clusters, keep):
