@@ -36,6 +36,10 @@ from sklearn.metrics import adjusted_rand_score, homogeneity_completeness_v_meas
 
 __all__ = [
     "cluster_scores",
+    "length_terciles",
+    "nmi_ratio",
+    "plot_information_gain",
+    "reachable_nmi",
     "controllability_metrics",
     "discrete_latent_metrics",
     "gaussian_latent_metrics",
@@ -120,6 +124,63 @@ def cluster_scores(labels_true: Sequence, labels_pred: Sequence) -> dict[str, fl
         "homogeneity": float(homogeneity),
         "completeness": float(completeness),
     }
+
+
+def reachable_nmi(inputs: Sequence[Hashable], labels: Sequence[Hashable]) -> tuple[float, list]:
+    """NMI of the best function of the input against the gold labels, and that function's labels.
+
+    ``inputs[i]`` identifies what an encoder sees of row i (for zcvae the pair (x, y) as token ids);
+    rows with the same input are indistinguishable, so the best any encoder can do is one label per
+    distinct input. That label is the majority gold label of the input's rows (ties go to the
+    smallest label by ``str``, so it is deterministic). Returns ``(NMI(labels, majority), majority)``
+    with NMI as in ``cluster_scores``. When every input has one gold label this is 1.0; inputs that
+    two strategies both produce lower it. ValueError on a length mismatch or an empty set.
+    """
+    keys = _as_label_list(inputs, name="inputs")
+    gold = _as_label_list(labels, name="labels")
+    if len(keys) != len(gold):
+        raise ValueError(f"inputs and labels must have the same length, got {len(keys)} and {len(gold)}")
+    if not gold:
+        raise ValueError("labels: need at least one labelled row")
+    by_input: dict[Hashable, Counter] = {}
+    for i, (key, label) in enumerate(zip(keys, gold)):
+        try:
+            by_input.setdefault(key, Counter())[label] += 1
+        except TypeError as exc:
+            raise ValueError(f"inputs[{i}]: {key!r} is not hashable") from exc
+    best = {}
+    for key, counts in by_input.items():
+        top = max(counts.values())
+        best[key] = min((label for label, count in counts.items() if count == top), key=str)
+    majority = [best[key] for key in keys]
+    return cluster_scores(gold, majority)["nmi"], majority
+
+
+def nmi_ratio(nmi: float, nmi_reachable: float) -> float:
+    """``nmi / nmi_reachable``: the share of the reachable strategy information that z carries.
+
+    0/0 (and x/0): when no function of (x, y) carries information about the strategy
+    (``nmi_reachable == 0``) there is nothing to miss, so the ratio is defined as 1.0. It can exceed 1
+    slightly: NMI is normalised by the entropy of the prediction, so a clustering finer than the
+    majority function can score a little higher.
+    """
+    if not nmi_reachable > 0:
+        return 1.0
+    return float(nmi / nmi_reachable)
+
+
+def length_terciles(lengths_N: Any) -> np.ndarray:
+    """Tercile 0 (shortest), 1 or 2 of each row by its length, ties kept together. -> int array (N,).
+
+    Cut points c1 <= c2 are the 1/3 and 2/3 quantiles taken as data values (numpy ``method="lower"``):
+    tercile 0 holds n <= c1, tercile 1 c1 < n <= c2, tercile 2 n > c2. Equal lengths always share a
+    tercile, so with many ties a tercile can hold more than a third of the rows, or none.
+    """
+    n = _to_numpy(lengths_N, name="lengths_N").reshape(-1)
+    if n.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    c1, c2 = np.quantile(n, [1.0 / 3.0, 2.0 / 3.0], method="lower")
+    return np.where(n <= c1, 0, np.where(n <= c2, 1, 2)).astype(np.int64)
 
 
 def _best_matching(counts_KS: np.ndarray) -> tuple[dict[int, int], int]:
@@ -535,6 +596,56 @@ def plot_latent_figure(
         ax_use.set_title("latent usage")
         if title:
             fig.suptitle(title)
+        fig.tight_layout()
+        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                fig.savefig(handle, format="png", dpi=100)
+            os.replace(tmp_path, path)
+        except BaseException:
+            if os.path.exists(tmp_path):
+                os.remove(tmp_path)
+            raise
+    finally:
+        plt.close(fig)
+    return path
+
+
+def plot_information_gain(
+    mean_by_position: Sequence[float | None],
+    path: str | os.PathLike,
+    decision_positions: Mapping[int, int] | None = None,
+    title: str | None = None,
+) -> str:
+    """Write a PNG of the mean per-position information gain b_t - l_t (nats) over y positions t.
+
+    ``mean_by_position`` as from ``information_gain_by_position`` (None where no row has a token).
+    ``decision_positions`` maps a y position to the number of examples whose strategies part there;
+    each is marked with a dashed vertical line whose opacity is its share of examples. Without it
+    (user data) the curve is drawn unmarked. Written atomically like ``plot_latent_figure``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gains = [np.nan if g is None else float(g) for g in mean_by_position]
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.3 * len(gains) + 2.0), 3.2))
+    try:
+        ax.axhline(0.0, color="grey", lw=0.8)
+        ax.plot(range(len(gains)), gains, marker="o", ms=3, color="tab:blue", label="mean b_t - l_t")
+        if decision_positions:
+            total = sum(decision_positions.values())
+            for i, (position, count) in enumerate(sorted(decision_positions.items())):
+                ax.axvline(position, color="tab:red", ls="--", alpha=max(0.15, count / total),
+                           label="decision position (opacity: share of examples)" if i == 0 else None)
+        ax.set_xlabel("y position t (0 = first y token)")
+        ax.set_ylabel("information gain (nats)")
+        ax.legend(loc="best", fontsize=8)
+        ax.set_title(title or "where z acts")
         fig.tight_layout()
         fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
         try:
