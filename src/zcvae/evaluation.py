@@ -41,7 +41,10 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
 
 * Reachable NMI (with gold strategies, user JSONL included): ``nmi_reachable`` is the NMI against
   the gold strategy of the best function of (x, y), the majority strategy of each identical (x, y)
-  token pair (``metrics.reachable_nmi``); it is below 1 when two strategies produce the same y.
+  token pair (``metrics.reachable_nmi``); it is below 1 when two strategies produce the same y. For
+  a built-in family the strategies that render a row's y from its x all count for it, so an
+  ambiguous (x, y) is caught even when it occurs once (as in ``mul`` with b = 1); for user data only
+  repeated (x, y) pairs reveal ambiguity.
   ``nmi_ratio`` = ``nmi`` / ``nmi_reachable`` (1.0 when ``nmi_reachable`` is 0: nothing to reach).
 * Stratified (``stratified_metrics``; seed 001's confound "does sum only upweight long examples?"):
   ``by_strategy/<strategy>/...`` per gold strategy and ``by_length/t1|t2|t3/...`` per tercile of
@@ -485,6 +488,26 @@ def stratified_metrics(
     return out
 
 
+def _equivalent_strategies(rows, records, *, val, task, tokenizer) -> list[list[Any]] | None:
+    """For each row, the strategies of a built-in family whose gold y for its x is the row's y.
+
+    None without a family that can render (user JSONL: identical (x, y) pairs are all there is).
+    A row whose x or y the family cannot reproduce (truncated) keeps its gold strategy alone.
+    """
+    if task is None or not hasattr(task, "render") or not hasattr(task, "strategies"):
+        return None
+    out = []
+    for n in rows:
+        ex = val[records[n]["index"]]
+        x, y = _decoded_text(tokenizer, ex.x_ids), _decoded_text(tokenizer, ex.y_ids).split()
+        try:
+            same = [s for s in task.strategies if task.render(x, s).split() == y]
+        except ValueError:
+            same = []
+        out.append(same if ex.strategy in same else [ex.strategy])
+    return out
+
+
 def _decision_positions(records, *, val, task, tokenizer) -> dict[int, int] | None:
     """{y token position: number of examples whose strategies part there}, or None without a family.
 
@@ -584,7 +607,8 @@ def summarize(
         # The best any encoder of (x, y) can do: identical (x, y) pairs cannot be told apart.
         labelled = [n for n, strategy in enumerate(labels) if strategy is not None]
         inputs = [(tuple(val[records[n]["index"]].x_ids), tuple(val[records[n]["index"]].y_ids)) for n in labelled]
-        scalars["nmi_reachable"], _ = reachable_nmi(inputs, [labels[n] for n in labelled])
+        candidates = _equivalent_strategies(labelled, records, val=val, task=task, tokenizer=tokenizer)
+        scalars["nmi_reachable"], _ = reachable_nmi(inputs, [labels[n] for n in labelled], candidates)
         scalars["nmi_ratio"] = nmi_ratio(scalars["nmi"], scalars["nmi_reachable"])
     scalars.update(stratified_metrics(records, labels, assign, discrete=cfg.latent_type == "discrete"))
 

@@ -126,26 +126,36 @@ def cluster_scores(labels_true: Sequence, labels_pred: Sequence) -> dict[str, fl
     }
 
 
-def reachable_nmi(inputs: Sequence[Hashable], labels: Sequence[Hashable]) -> tuple[float, list]:
+def reachable_nmi(
+    inputs: Sequence[Hashable], labels: Sequence[Hashable], candidates: Sequence[Sequence[Hashable]] | None = None
+) -> tuple[float, list]:
     """NMI of the best function of the input against the gold labels, and that function's labels.
 
     ``inputs[i]`` identifies what an encoder sees of row i (for zcvae the pair (x, y) as token ids);
     rows with the same input are indistinguishable, so the best any encoder can do is one label per
-    distinct input. That label is the majority gold label of the input's rows (ties go to the
-    smallest label by ``str``, so it is deterministic). Returns ``(NMI(labels, majority), majority)``
-    with NMI as in ``cluster_scores``. When every input has one gold label this is 1.0; inputs that
-    two strategies both produce lower it. ValueError on a length mismatch or an empty set.
+    distinct input: the majority label of the input's rows. ``candidates[i]``, when given, lists the
+    labels that could have produced row i with equal probability (a built-in task family knows them:
+    the strategies whose gold y for x is row i's y); each then counts once for the input instead of
+    the gold label alone, so an ambiguous input is caught even when it occurs only once. Ties go to
+    the smallest label by ``str`` (deterministic). Returns ``(NMI(labels, best), best)`` with NMI as
+    in ``cluster_scores``: 1.0 when no input is ambiguous, lower when two strategies share an input.
+    ValueError on a length mismatch or an empty set.
     """
     keys = _as_label_list(inputs, name="inputs")
     gold = _as_label_list(labels, name="labels")
     if len(keys) != len(gold):
         raise ValueError(f"inputs and labels must have the same length, got {len(keys)} and {len(gold)}")
+    if candidates is not None and len(candidates) != len(gold):
+        raise ValueError(f"candidates and labels must have the same length, got {len(candidates)} and {len(gold)}")
     if not gold:
         raise ValueError("labels: need at least one labelled row")
     by_input: dict[Hashable, Counter] = {}
     for i, (key, label) in enumerate(zip(keys, gold)):
+        voters = [label] if candidates is None else list(candidates[i])
+        if not voters:
+            raise ValueError(f"candidates[{i}]: empty (the gold label {label!r} at least produced the row)")
         try:
-            by_input.setdefault(key, Counter())[label] += 1
+            by_input.setdefault(key, Counter()).update(voters)
         except TypeError as exc:
             raise ValueError(f"inputs[{i}]: {key!r} is not hashable") from exc
     best = {}

@@ -527,3 +527,36 @@ def test_evaluate_run_names_a_missing_run_config(tmp_path):
 
     with pytest.raises(ValueError, match="run_config.json"):
         evaluate_run(tmp_path)
+
+
+def test_reachable_nmi_counts_every_strategy_that_renders_a_y():
+    from zcvae.metrics import reachable_nmi
+
+    # Three unique inputs: without candidates each is its own majority (NMI 1); with candidates the
+    # second is produced by a and b alike, and the tie goes to "a".
+    reach, best = reachable_nmi(["u", "v", "w", "z"], ["a", "b", "a", "b"], [["a"], ["a", "b"], ["a"], ["b"]])
+    assert best == ["a", "a", "a", "b"]
+    assert reach == pytest.approx(_nmi_by_hand(["a", "b", "a", "b"], best))
+    assert reachable_nmi(["u", "v", "w", "z"], ["a", "b", "a", "b"])[0] == 1.0
+
+
+def test_nmi_reachable_on_mul_equals_the_canonical_strategy_nmi():
+    """On ``mul`` (direct = repeated iff b = 1), reachable NMI < 1, computed independently from b."""
+    from zcvae.data import build_tokenizer, get_task, make_examples
+    from zcvae.evaluation import _equivalent_strategies
+    from zcvae.metrics import reachable_nmi
+
+    tok = build_tokenizer()
+    task = get_task("mul")
+    examples = make_examples(task, seed=0, split="val", num_examples=60)
+    val = [SimpleNamespace(x_ids=tuple(tok(e.x)["input_ids"]), y_ids=tuple(tok(e.y)["input_ids"]), strategy=e.strategy)
+           for e in examples]
+    records = [{"index": i} for i in range(len(val))]
+    candidates = _equivalent_strategies(range(len(val)), records, val=val, task=task, tokenizer=tok)
+    gold = [e.strategy for e in examples]
+    inputs = [(v.x_ids, v.y_ids) for v in val]
+    reach, best = reachable_nmi(inputs, gold, candidates)
+    canonical = ["direct" if e.x.endswith("* 1") and s in ("direct", "repeated") else s for e, s in zip(examples, gold)]
+    assert any(e.x.endswith("* 1") and s == "repeated" for e, s in zip(examples, gold))  # the set is ambiguous
+    assert best == canonical
+    assert reach == pytest.approx(_nmi_by_hand(gold, canonical)) and reach < 1.0
