@@ -31,10 +31,10 @@ shares a prefix whose length varies with x, and the strategies part only at the 
 K = 3 strategies, the strategy is drawn uniformly, and `parse` tells the strategy from the word at
 the decision position and checks the whole y against a re-render from the restated x:
 
-| family | strategies | x | decision position | ambiguity |
-|---|---|---|---|---|
-| sort3 | direct / count / descending | 3-5 digits | len(x) (3-5) | none |
-| mul | direct / repeated / column | 'a * b', a of 2-4 digits, b in 1-4 | len(a) + 2 (4-6) | direct = repeated iff b = 1 |
+| family | strategies | x | mean y length | decision position | ambiguity |
+|---|---|---|---|---|---|
+| sort3 | direct / count / descending | 3-5 digits | 10.0 / 21.1 / 15.0 | len(x) (3-5) | none |
+| mul | direct / repeated / column | 'a * b', a of 2-4 digits, b in 1-4 | 10.5 / 16.4 / 16.5 | len(a) + 2 (4-6) | direct = repeated iff b = 1 |
 
 `mul` is ambiguous by construction: when b = 1, repeated addition writes no "+ a" step and its y is
 the direct y, so no encoder can tell them apart. b is drawn uniformly from 1-4, so 1/4 of the inputs
