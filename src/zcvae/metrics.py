@@ -29,10 +29,9 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
-from sklearn.cluster import KMeans
-from sklearn.exceptions import ConvergenceWarning
-from sklearn.metrics import adjusted_rand_score, homogeneity_completeness_v_measure, normalized_mutual_info_score
+
+# scikit-learn and SciPy are imported inside the functions that use them: importing sklearn.cluster
+# takes seconds, which every process that merely imports the evaluation would pay at start-up.
 
 __all__ = [
     "cluster_scores",
@@ -111,6 +110,8 @@ def cluster_scores(labels_true: Sequence, labels_pred: Sequence) -> dict[str, fl
     has ``labels_true`` as classes. Edge cases follow scikit-learn: two single-cluster labelings give
     NMI = ARI = 1; a zero entropy gives homogeneity (completeness) 1.
     """
+    from sklearn.metrics import adjusted_rand_score, homogeneity_completeness_v_measure, normalized_mutual_info_score
+
     a = _as_label_list(labels_true, name="labels_true")
     b = _as_label_list(labels_pred, name="labels_pred")
     if len(a) != len(b):
@@ -197,6 +198,8 @@ def _best_matching(counts_KS: np.ndarray) -> tuple[dict[int, int], int]:
     """Latent->strategy one-to-one matching that maximises the matched counts, and that total."""
     if counts_KS.size == 0:
         return {}, 0
+    from scipy.optimize import linear_sum_assignment
+
     rows, cols = linear_sum_assignment(counts_KS, maximize=True)
     matching = {int(r): int(c) for r, c in zip(rows, cols)}
     return matching, int(counts_KS[rows, cols].sum())
@@ -419,6 +422,9 @@ def kmeans_labels(x_ND: Any, *, num_clusters: int, seed: int = 0) -> tuple[np.nd
     k-means++ sampler (greedy, several candidates per centre), tolerance and empty-cluster
     relocation differ, so on data without a clear cluster structure the partition can differ.
     """
+    from sklearn.cluster import KMeans
+    from sklearn.exceptions import ConvergenceWarning
+
     x = _to_numpy(x_ND, name="x_ND")
     if x.ndim != 2 or x.shape[0] == 0:
         raise ValueError(f"x_ND: expected a non-empty (N, D) matrix, got shape {x.shape}")
