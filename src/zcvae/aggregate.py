@@ -45,6 +45,8 @@ METRICS_FILENAME = "metrics.jsonl"
 
 DEFAULT_METRICS: tuple[str, ...] = (
     "nmi",
+    "nmi_reachable",  # the best NMI any encoder of (x, y) can reach on this validation set
+    "nmi_ratio",  # nmi / nmi_reachable
     "mi",
     "router_support",
     "kl",

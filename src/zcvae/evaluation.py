@@ -39,9 +39,26 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
   expectation under q would blur a sharp latent with its unused alternatives), Gaussian the mean of
   l_t over the S samples.
 
+* Reachable NMI (with gold strategies, user JSONL included): ``nmi_reachable`` is the NMI against
+  the gold strategy of the best function of (x, y), the majority strategy of each identical (x, y)
+  token pair (``metrics.reachable_nmi``); it is below 1 when two strategies produce the same y. For
+  a built-in family the strategies that render a row's y from its x all count for it, so an
+  ambiguous (x, y) is caught even when it occurs once (as in ``mul`` with b = 1); for user data only
+  repeated (x, y) pairs reveal ambiguity.
+  ``nmi_ratio`` = ``nmi`` / ``nmi_reachable`` (1.0 when ``nmi_reachable`` is 0: nothing to reach).
+* Stratified (``stratified_metrics``; seed 001's confound "does sum only upweight long examples?"):
+  ``by_strategy/<strategy>/...`` per gold strategy and ``by_length/t1|t2|t3/...`` per tercile of
+  the supervised length n_i (t1 shortest, ties kept together), each with ``num_examples``, the six
+  reconstruction terms (``by_strategy/forward/reconstruction_loss``, ...), ``nmi`` (by strategy:
+  one-vs-rest, [gold == s] against the assigned latent over all labelled rows; by length: within
+  the tercile), ``latent_usage/<k>``, ``num_used_latents`` and ``mi`` (discrete) or
+  ``active_units`` (Gaussian), and ``min_length``/``max_length`` for the terciles.
+
 Outputs: a flat dict of floats, the same on every rank (the trainer's logger prefixes ``eval/``);
 on rank 0 ``eval_step{step}.json`` (everything non-scalar: confusion matrix, per-position gain,
-per-latent purity, a few decoded samples) and ``latents_step{step}.png`` plus its copy ``latents.png``
+per-latent purity, a few decoded samples, the decision positions) and ``latents_step{step}.png`` plus
+its copy ``latents.png``, and ``information_gain_step{step}.png`` plus ``information_gain.png`` (mean
+b_t - l_t per y position with the task family's decision positions marked; unmarked for user data)
 in the run directory.
 
 Shape legend: B examples of a batch, N supervised span positions (y + ``</y>``), K latents,
@@ -63,14 +80,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from zcvae.losses import DIAGNOSTIC_REDUCTIONS
+from zcvae.losses import DIAGNOSTIC_REDUCTIONS, RECONSTRUCTION_TERMS
 from zcvae.metrics import (
+    cluster_scores,
     controllability_metrics,
     discrete_latent_metrics,
     gaussian_latent_metrics,
     information_gain_by_position,
-    kmeans,
+    length_terciles,
+    nmi_ratio,
+    plot_information_gain,
     plot_latent_figure,
+    reachable_nmi,
 )
 from zcvae.templates import EncodedExample, TemplateTokens, collate
 
@@ -83,6 +104,7 @@ __all__ = [
     "gather_records",
     "greedy_decode",
     "shard_indices",
+    "stratified_metrics",
     "summarize",
 ]
 
@@ -401,6 +423,115 @@ def _control_records(decodes, *, val, tokenizer, task, map_latent) -> list[dict]
     return out
 
 
+def _stratum_name(strategy: Any) -> str:
+    # A metric name part: TensorBoard groups tags on "/", so a strategy must not contain one.
+    return str(strategy).replace("/", "_").replace(" ", "_") or "_"
+
+
+def stratified_metrics(
+    records: list[dict], labels: Sequence[Any], assign: Sequence[int | None], *, discrete: bool
+) -> dict[str, float]:
+    """Per-stratum NMI, latent usage and the six reconstruction terms -> flat ``{name: value}``.
+
+    Strata: ``by_strategy/<s>`` (rows whose gold strategy is s; "/" and spaces in s become "_") and
+    ``by_length/t1..t3`` (terciles of the supervised length n_i = y + ``</y>`` tokens, t1 shortest,
+    ``metrics.length_terciles``; an empty tercile has no keys). For each stratum P:
+      P/num_examples
+      P/<term>             example mean of each of ``losses.RECONSTRUCTION_TERMS`` over its valid rows
+      P/latent_usage/<k>   mean q(z=k|x,y) over its rows (discrete)
+      P/num_used_latents, P/mi   usage and I(x,y; z) within the stratum (discrete; within a strategy
+                           an MI near 0 means z does not vary inside it)
+      P/active_units       (Gaussian, strata of 2+ rows)
+      P/nmi                by_strategy: one-vs-rest, NMI between [gold == s] and the assigned latent
+                           over every labelled row (how well s is separated from the others);
+                           by_length: NMI of the assigned latent vs gold within the tercile
+      by_length/tj/min_length, by_length/tj/max_length
+    ``assign[i]`` is the latent of row i (argmax q, or the k-means cluster; None: no NMI for it).
+    Pure: computed from the gathered records, so exact under sharding.
+    """
+    out: dict[str, float] = {}
+    num = len(records)
+    lengths_N = np.asarray([len(r["cond_nll"]) for r in records])
+    strata: list[tuple[str, list[int], Any]] = []
+    for strategy in sorted({s for s in labels if s is not None}, key=str):
+        strata.append((f"by_strategy/{_stratum_name(strategy)}", [n for n in range(num) if labels[n] == strategy], strategy))
+    tercile_N = length_terciles(lengths_N)
+    for j in range(3):
+        rows = np.flatnonzero(tercile_N == j).tolist()
+        if rows:
+            strata.append((f"by_length/t{j + 1}", rows, None))
+    scored = [n for n in range(num) if labels[n] is not None and assign[n] is not None]
+    for prefix, rows, strategy in strata:
+        out[f"{prefix}/num_examples"] = float(len(rows))
+        valid = [n for n in rows if records[n]["terms"].get("valid", 1.0) > 0]
+        for name in RECONSTRUCTION_TERMS:
+            if valid and name in records[rows[0]]["terms"]:
+                out[f"{prefix}/{name}"] = float(np.mean([records[n]["terms"][name] for n in valid]))
+        if discrete:
+            lat = discrete_latent_metrics(np.asarray([records[n]["q"] for n in rows], dtype=np.float64))
+            out[f"{prefix}/mi"] = float(lat["mi"])
+            out[f"{prefix}/num_used_latents"] = float(lat["num_used_latents"])
+            for k, usage in enumerate(lat["latent_usage"]):
+                out[f"{prefix}/latent_usage/{k}"] = float(usage)
+        elif len(rows) >= 2:
+            lat = gaussian_latent_metrics(np.asarray([records[n]["mu"] for n in rows], dtype=np.float64), delta=ACTIVE_UNITS_DELTA)
+            out[f"{prefix}/active_units"] = float(lat["active_units"])
+        if strategy is not None:
+            if scored:
+                out[f"{prefix}/nmi"] = cluster_scores([labels[n] == strategy for n in scored], [assign[n] for n in scored])["nmi"]
+        else:
+            inside = [n for n in rows if labels[n] is not None and assign[n] is not None]
+            if inside:
+                out[f"{prefix}/nmi"] = cluster_scores([labels[n] for n in inside], [assign[n] for n in inside])["nmi"]
+            out[f"{prefix}/min_length"] = float(lengths_N[rows].min())
+            out[f"{prefix}/max_length"] = float(lengths_N[rows].max())
+    return out
+
+
+def _equivalent_strategies(rows, records, *, val, task, tokenizer) -> list[list[Any]] | None:
+    """For each row, the strategies of a built-in family whose gold y for its x is the row's y.
+
+    None without a family that can render (user JSONL: identical (x, y) pairs are all there is).
+    A row whose x or y the family cannot reproduce (truncated) keeps its gold strategy alone.
+    """
+    if task is None or not hasattr(task, "render") or not hasattr(task, "strategies"):
+        return None
+    out = []
+    for n in rows:
+        ex = val[records[n]["index"]]
+        x, y = _decoded_text(tokenizer, ex.x_ids), _decoded_text(tokenizer, ex.y_ids).split()
+        try:
+            same = [s for s in task.strategies if task.render(x, s).split() == y]
+        except ValueError:
+            same = []
+        out.append(same if ex.strategy in same else [ex.strategy])
+    return out
+
+
+def _decision_positions(records, *, val, task, tokenizer) -> dict[int, int] | None:
+    """{y token position: number of examples whose strategies part there}, or None without a family.
+
+    Only task families that define ``decision_positions(x)`` (the built-in ones; user JSONL has none)
+    give positions. They count y words; with a tokenizer that writes one token per word (the built-in
+    word-level one) that is the token position, otherwise the word prefix is re-tokenised.
+    """
+    if task is None or not hasattr(task, "decision_positions"):
+        return None
+    counts: dict[int, int] = {}
+    for r in records:
+        ex = val[r["index"]]
+        try:
+            positions = task.decision_positions(_decoded_text(tokenizer, ex.x_ids))
+        except ValueError:
+            continue  # x truncated or not of this family
+        words = _decoded_text(tokenizer, ex.y_ids).split()
+        for p in positions:
+            if len(words) != len(ex.y_ids) and p > 0:
+                p = len(tokenizer(" ".join(words[:p]), add_special_tokens=False)["input_ids"])
+            counts[int(p)] = counts.get(int(p), 0) + 1
+    return counts
+
+
 def summarize(
     records: list[dict],
     decodes: list[dict],
@@ -420,6 +551,9 @@ def summarize(
     details: dict[str, Any] = {}
     labels = [r["strategy"] for r in records]
     has_labels = any(s is not None for s in labels)
+    # The latent each example is assigned to (discrete: argmax q; Gaussian: its k-means cluster, for
+    # labelled rows only), for the stratified NMI.
+    assign: list[int | None] = [None] * len(records)
 
     if cfg.latent_type == "discrete":
         q_NK = np.asarray([r["q"] for r in records], dtype=np.float64)
@@ -443,6 +577,7 @@ def summarize(
             details.update(confusion=counts_K1, confusion_latent_labels=list(range(q_NK.shape[1])),
                            confusion_strategy_labels=["all"])
         map_latent = {r["index"]: int(np.argmax(r["q"])) for r in records}
+        assign = [int(np.argmax(r["q"])) for r in records]
     else:
         mu_ND = np.asarray([r["mu"] for r in records], dtype=np.float64)
         logvar_ND = np.asarray([r["logvar"] for r in records], dtype=np.float64)
@@ -456,9 +591,10 @@ def summarize(
                     scalars[key] = float(lat[key])
             details["mean_variance_per_dim"] = lat["mean_variance_per_dim"]
             if "num_clusters" in lat:
-                # The same k-means (same seed and inputs) as gaussian_latent_metrics, for the figure.
                 keep = [i for i, s in enumerate(labels) if s is not None]
-                clusters, _, _ = kmeans(mu_ND[keep], num_clusters=int(lat["num_clusters"]), seed=cfg.seed)
+                clusters = lat["cluster_labels"]  # of the labelled rows, in order
+                for c, i in zip(clusters, keep):
+                    assign[i] = int(c)
                 strategies = sorted({labels[i] for i in keep}, key=str)
                 confusion = np.zeros((int(lat["num_clusters"]), len(strategies)), dtype=np.int64)
                 for c, i in zip(clusters, keep):
@@ -466,6 +602,15 @@ def summarize(
                 details.update(confusion=confusion, confusion_latent_labels=list(range(confusion.shape[0])),
                                confusion_strategy_labels=strategies,
                                latent_usage=confusion.sum(1) / max(1, confusion.sum()))
+
+    if has_labels and "nmi" in scalars:
+        # The best any encoder of (x, y) can do: identical (x, y) pairs cannot be told apart.
+        labelled = [n for n, strategy in enumerate(labels) if strategy is not None]
+        inputs = [(tuple(val[records[n]["index"]].x_ids), tuple(val[records[n]["index"]].y_ids)) for n in labelled]
+        candidates = _equivalent_strategies(labelled, records, val=val, task=task, tokenizer=tokenizer)
+        scalars["nmi_reachable"], _ = reachable_nmi(inputs, [labels[n] for n in labelled], candidates)
+        scalars["nmi_ratio"] = nmi_ratio(scalars["nmi"], scalars["nmi_reachable"])
+    scalars.update(stratified_metrics(records, labels, assign, discrete=cfg.latent_type == "discrete"))
 
     # information gain of z per y position
     T = max(len(r["cond_nll"]) for r in records)
@@ -480,7 +625,8 @@ def summarize(
         scalars["info_gain/mean"] = gain["mean"]
         scalars["info_gain/first_token"] = gain["first_token_mean"]
     details["info_gain"] = {"mean_by_position": gain["mean_by_position"], "count_by_position": gain["count_by_position"],
-                            "z": "posterior argmax" if cfg.latent_type == "discrete" else "mean over posterior samples"}
+                            "z": "posterior argmax" if cfg.latent_type == "discrete" else "mean over posterior samples",
+                            "decision_positions": _decision_positions(records, val=val, task=task, tokenizer=tokenizer)}
 
     # decoding
     if decodes:
@@ -544,6 +690,13 @@ def _write_json(path: Path, data: Any) -> None:
         raise
 
 
+def _publish_latest(figure: Path, latest: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=latest.parent, prefix=".tmp-", suffix=".png")
+    os.close(fd)
+    shutil.copyfile(figure, tmp)
+    os.replace(tmp, latest)  # a viewer never sees a half-written "latest" figure
+
+
 def _write_outputs(run_dir: Path, step: int, scalars: dict[str, float], details: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_json(run_dir / f"eval_step{step}.json", {"step": step, "metrics": scalars, **details})
@@ -551,10 +704,13 @@ def _write_outputs(run_dir: Path, step: int, scalars: dict[str, float], details:
         figure = run_dir / f"latents_step{step}.png"
         plot_latent_figure(details["confusion"], details["confusion_latent_labels"], details["confusion_strategy_labels"],
                            details["latent_usage"], figure, title=f"step {step}")
-        fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".tmp-", suffix=".png")
-        os.close(fd)
-        shutil.copyfile(figure, tmp)
-        os.replace(tmp, run_dir / "latents.png")  # a viewer never sees a half-written "latest" figure
+        _publish_latest(figure, run_dir / "latents.png")
+    if "info_gain" in details:
+        figure = run_dir / f"information_gain_step{step}.png"
+        plot_information_gain(details["info_gain"]["mean_by_position"], figure,
+                              decision_positions=details["info_gain"].get("decision_positions"),
+                              title=f"information gain b_t - l_t by y position, step {step}")
+        _publish_latest(figure, run_dir / "information_gain.png")
 
 
 # ----------------------------------------------------------------------------------------------

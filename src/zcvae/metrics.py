@@ -5,9 +5,10 @@ Everything here is plain numpy over arrays that the caller has already gathered 
 numpy arrays or torch tensors; outputs are python floats, numpy arrays and dicts. No
 ``torch.distributed``, no config parsing. All logarithms are natural: entropies, MI and KL are in nats.
 
-The clustering metrics (NMI, ARI, homogeneity/completeness) and the linear assignment solver are
-implemented here because the project does not depend on scikit-learn or scipy; they follow
-scikit-learn's definitions and edge-case conventions so numbers are comparable with published ones.
+The clustering scores (NMI with arithmetic-mean normalisation, ARI, homogeneity/completeness) and
+k-means come from scikit-learn, the one-to-one matching from ``scipy.optimize.linear_sum_assignment``;
+``tests/unit/test_metrics_recorded.py`` shows they give the values of the hand-written versions they
+replaced.
 
 Shape legend:
     N  examples (or decoded records)
@@ -22,22 +23,27 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import warnings
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+# scikit-learn and SciPy are imported inside the functions that use them: importing sklearn.cluster
+# takes seconds, which every process that merely imports the evaluation would pay at start-up.
+
 __all__ = [
-    "adjusted_rand_index",
+    "cluster_scores",
+    "length_terciles",
+    "nmi_ratio",
+    "plot_information_gain",
+    "reachable_nmi",
     "controllability_metrics",
     "discrete_latent_metrics",
     "gaussian_latent_metrics",
-    "homogeneity_completeness",
     "information_gain_by_position",
-    "kmeans",
-    "linear_assignment",
-    "nmi",
+    "kmeans_labels",
     "plot_latent_figure",
 ]
 
@@ -95,178 +101,106 @@ def _as_label_list(x: Any, *, name: str) -> list:
     return list(x)
 
 
-def _contingency(labels_a: Sequence, labels_b: Sequence, *, names=("labels_a", "labels_b")) -> np.ndarray:
-    """Counts n_ij of items with label i in ``labels_a`` and label j in ``labels_b``, shape (A, B)."""
-    a = _as_label_list(labels_a, name=names[0])
-    b = _as_label_list(labels_b, name=names[1])
+def cluster_scores(labels_true: Sequence, labels_pred: Sequence) -> dict[str, float]:
+    """NMI, ARI, homogeneity and completeness of a clustering against gold labels (scikit-learn).
+
+    Labels are any hashable values (strings, ints); each side is first mapped to integer codes, so a
+    side that mixes types is compared by identity, not by its string form. ``nmi`` uses the
+    arithmetic-mean normalisation I / ((H(C) + H(K)) / 2) (scikit-learn's default); homogeneity
+    has ``labels_true`` as classes. Edge cases follow scikit-learn: two single-cluster labelings give
+    NMI = ARI = 1; a zero entropy gives homogeneity (completeness) 1.
+    """
+    from sklearn.metrics import adjusted_rand_score, homogeneity_completeness_v_measure, normalized_mutual_info_score
+
+    a = _as_label_list(labels_true, name="labels_true")
+    b = _as_label_list(labels_pred, name="labels_pred")
     if len(a) != len(b):
-        raise ValueError(f"{names[0]} and {names[1]} must have the same length, got {len(a)} and {len(b)}")
-    codes_a, classes_a = _encode(a, name=names[0])
-    codes_b, classes_b = _encode(b, name=names[1])
-    counts_AB = np.zeros((len(classes_a), len(classes_b)), dtype=np.int64)
-    np.add.at(counts_AB, (codes_a, codes_b), 1)
-    return counts_AB
+        raise ValueError(f"labels_true and labels_pred must have the same length, got {len(a)} and {len(b)}")
+    codes_a, _ = _encode(a, name="labels_true")
+    codes_b, _ = _encode(b, name="labels_pred")
+    homogeneity, completeness, _ = homogeneity_completeness_v_measure(codes_a, codes_b)
+    return {
+        "nmi": float(normalized_mutual_info_score(codes_a, codes_b)),
+        "ari": float(adjusted_rand_score(codes_a, codes_b)),
+        "homogeneity": float(homogeneity),
+        "completeness": float(completeness),
+    }
 
 
-def _entropy_counts(counts: np.ndarray) -> float:
-    n = counts.sum()
-    if n == 0:
-        return 0.0
-    p = counts[counts > 0] / n
-    return float(-(p * np.log(p)).sum())
+def reachable_nmi(
+    inputs: Sequence[Hashable], labels: Sequence[Hashable], candidates: Sequence[Sequence[Hashable]] | None = None
+) -> tuple[float, list]:
+    """NMI of the best function of the input against the gold labels, and that function's labels.
 
-
-def _mutual_info_counts(counts_AB: np.ndarray) -> float:
-    """I(A;B) = sum_ij n_ij/n log(n n_ij / (n_i. n_.j)) in nats, from a contingency table."""
-    n = counts_AB.sum()
-    if n == 0:
-        return 0.0
-    rows_A = counts_AB.sum(axis=1)
-    cols_B = counts_AB.sum(axis=0)
-    ii, jj = np.nonzero(counts_AB)
-    nij = counts_AB[ii, jj].astype(np.float64)
-    # One log of the ratio (not a sum of four logs) so independent-by-construction tables give 0 exactly.
-    ratio = nij * float(n) / (rows_A[ii].astype(np.float64) * cols_B[jj].astype(np.float64))
-    mi = float((nij / n * np.log(ratio)).sum())
-    # I >= 0 exactly; round-off can give -1e-17, which would read as "worse than independent".
-    return max(mi, 0.0)
-
-
-# ----------------------------------------------------------------------------------------------
-# Clustering metrics and linear assignment
-# ----------------------------------------------------------------------------------------------
-
-
-def nmi(labels_a: Sequence, labels_b: Sequence) -> float:
-    """Normalised mutual information with arithmetic-mean normalisation (scikit-learn's default).
-
-    NMI = I(A;B) / ((H(A) + H(B)) / 2), entropies in nats from the empirical label counts. Labels are
-    any hashable values (strings, ints). Conventions as in scikit-learn: 1.0 when both labelings
-    have a single class (or are empty); 0.0 when I = 0 otherwise.
+    ``inputs[i]`` identifies what an encoder sees of row i (for zcvae the pair (x, y) as token ids);
+    rows with the same input are indistinguishable, so the best any encoder can do is one label per
+    distinct input: the majority label of the input's rows. ``candidates[i]``, when given, lists the
+    labels that could have produced row i with equal probability (a built-in task family knows them:
+    the strategies whose gold y for x is row i's y); each then counts once for the input instead of
+    the gold label alone, so an ambiguous input is caught even when it occurs only once. Ties go to
+    the smallest label by ``str`` (deterministic). Returns ``(NMI(labels, best), best)`` with NMI as
+    in ``cluster_scores``: 1.0 when no input is ambiguous, lower when two strategies share an input.
+    ValueError on a length mismatch or an empty set.
     """
-    counts_AB = _contingency(labels_a, labels_b)
-    num_a, num_b = counts_AB.shape
-    if num_a == num_b == 1 or num_a == num_b == 0:
+    keys = _as_label_list(inputs, name="inputs")
+    gold = _as_label_list(labels, name="labels")
+    if len(keys) != len(gold):
+        raise ValueError(f"inputs and labels must have the same length, got {len(keys)} and {len(gold)}")
+    if candidates is not None and len(candidates) != len(gold):
+        raise ValueError(f"candidates and labels must have the same length, got {len(candidates)} and {len(gold)}")
+    if not gold:
+        raise ValueError("labels: need at least one labelled row")
+    by_input: dict[Hashable, Counter] = {}
+    for i, (key, label) in enumerate(zip(keys, gold)):
+        voters = [label] if candidates is None else list(candidates[i])
+        if not voters:
+            raise ValueError(f"candidates[{i}]: empty (the gold label {label!r} at least produced the row)")
+        try:
+            by_input.setdefault(key, Counter()).update(voters)
+        except TypeError as exc:
+            raise ValueError(f"inputs[{i}]: {key!r} is not hashable") from exc
+    best = {}
+    for key, counts in by_input.items():
+        top = max(counts.values())
+        best[key] = min((label for label, count in counts.items() if count == top), key=str)
+    majority = [best[key] for key in keys]
+    return cluster_scores(gold, majority)["nmi"], majority
+
+
+def nmi_ratio(nmi: float, nmi_reachable: float) -> float:
+    """``nmi / nmi_reachable``: the share of the reachable strategy information that z carries.
+
+    0/0 (and x/0): when no function of (x, y) carries information about the strategy
+    (``nmi_reachable == 0``) there is nothing to miss, so the ratio is defined as 1.0. It can exceed 1
+    slightly: NMI is normalised by the entropy of the prediction, so a clustering finer than the
+    majority function can score a little higher.
+    """
+    if not nmi_reachable > 0:
         return 1.0
-    if np.all((counts_AB > 0).sum(axis=0) == 1) and np.all((counts_AB > 0).sum(axis=1) == 1):
-        return 1.0  # the same partition up to renaming; avoids 0.9999999999999997 from round-off
-    mi = _mutual_info_counts(counts_AB)
-    if mi == 0.0:
-        return 0.0
-    h_a = _entropy_counts(counts_AB.sum(axis=1))
-    h_b = _entropy_counts(counts_AB.sum(axis=0))
-    normaliser = max((h_a + h_b) / 2.0, np.finfo(np.float64).eps)
-    return float(min(mi / normaliser, 1.0))
+    return float(nmi / nmi_reachable)
 
 
-def adjusted_rand_index(labels_a: Sequence, labels_b: Sequence) -> float:
-    """Adjusted Rand index (Hubert & Arabie), symmetric, 1 for identical partitions, ~0 by chance.
+def length_terciles(lengths_N: Any) -> np.ndarray:
+    """Tercile 0 (shortest), 1 or 2 of each row by its length, ties kept together. -> int array (N,).
 
-    From the pair confusion counts over all N(N-1) ordered pairs -- tp (same cluster in both),
-    fp/fn (same in one only), tn (different in both):
-        ARI = 2 (tp tn - fn fp) / ((tp + fn)(fn + tn) + (tp + fp)(fp + tn)),
-    which equals (sum_ij C(n_ij,2) - E) / (max - E) with E = sum_i C(a_i,2) sum_j C(b_j,2) / C(N,2).
-    Returns 1.0 when fn = fp = 0 (identical partitions, including the trivial ones), as scikit-learn.
+    Cut points c1 <= c2 are the 1/3 and 2/3 quantiles taken as data values (numpy ``method="lower"``):
+    tercile 0 holds n <= c1, tercile 1 c1 < n <= c2, tercile 2 n > c2. Equal lengths always share a
+    tercile, so with many ties a tercile can hold more than a third of the rows, or none.
     """
-    counts_AB = _contingency(labels_a, labels_b)
-    n = int(counts_AB.sum())
-    # Python ints: the pair counts grow like N^2 and their products like N^4.
-    sum_sq = int((counts_AB.astype(object) ** 2).sum()) if counts_AB.size else 0
-    rows_sq = int((counts_AB.sum(axis=1).astype(object) ** 2).sum()) if counts_AB.size else 0
-    cols_sq = int((counts_AB.sum(axis=0).astype(object) ** 2).sum()) if counts_AB.size else 0
-    tp = sum_sq - n
-    fp = cols_sq - sum_sq
-    fn = rows_sq - sum_sq
-    tn = n * n - fp - fn - sum_sq
-    if fn == 0 and fp == 0:
-        return 1.0
-    return float(2.0 * (tp * tn - fn * fp) / ((tp + fn) * (fn + tn) + (tp + fp) * (fp + tn)))
-
-
-def homogeneity_completeness(labels_true: Sequence, labels_pred: Sequence) -> tuple[float, float]:
-    """Homogeneity h = I(C;K)/H(C) and completeness c = I(C;K)/H(K) (Rosenberg & Hirschberg 2007).
-
-    C are the true classes, K the predicted clusters. h = 1 when each cluster holds one class;
-    c = 1 when each class sits in one cluster. By convention a zero entropy gives 1.0 (scikit-learn).
-    """
-    counts_CK = _contingency(labels_true, labels_pred, names=("labels_true", "labels_pred"))
-    if counts_CK.sum() == 0:
-        return 1.0, 1.0
-    mi = _mutual_info_counts(counts_CK)
-    h_c = _entropy_counts(counts_CK.sum(axis=1))
-    h_k = _entropy_counts(counts_CK.sum(axis=0))
-    homogeneity = min(mi / h_c, 1.0) if h_c > 0 else 1.0
-    completeness = min(mi / h_k, 1.0) if h_k > 0 else 1.0
-    return float(homogeneity), float(completeness)
-
-
-def linear_assignment(cost: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Minimum-cost one-to-one assignment of rows to columns (exact; rectangular allowed).
-
-    Solves min sum_i cost[rows[i], cols[i]] over matchings of size min(R, C) with the shortest
-    augmenting path Hungarian method (O(min^2 max)). Returns ``(rows, cols)`` with ``rows`` ascending,
-    like ``scipy.optimize.linear_sum_assignment``. To maximise a score, pass its negative.
-    """
-    cost_RC = _to_numpy(cost, name="cost")
-    if cost_RC.ndim != 2:
-        raise ValueError(f"cost: expected a 2-D matrix, got shape {cost_RC.shape}")
-    if not np.all(np.isfinite(cost_RC)):
-        raise ValueError("cost: entries must be finite")
-    transposed = cost_RC.shape[0] > cost_RC.shape[1]
-    a = cost_RC.T if transposed else cost_RC  # now n <= m
-    n, m = a.shape
-    if n == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty.copy()
-
-    # 1-based potentials u (rows), v (columns); p[j] = row matched to column j (0 = free),
-    # column 0 is the virtual start of each augmenting path.
-    u = np.zeros(n + 1)
-    v = np.zeros(m + 1)
-    p = np.zeros(m + 1, dtype=np.int64)
-    way = np.zeros(m + 1, dtype=np.int64)
-    for i in range(1, n + 1):
-        p[0] = i
-        j0 = 0
-        minv = np.full(m + 1, np.inf)
-        used = np.zeros(m + 1, dtype=bool)
-        while True:
-            used[j0] = True
-            i0 = p[j0]
-            free = ~used[1:]
-            cur = a[i0 - 1] - u[i0] - v[1:]
-            improve = free & (cur < minv[1:])
-            minv[1:][improve] = cur[improve]
-            way[1:][improve] = j0
-            candidates = np.where(free, minv[1:], np.inf)
-            j1 = int(np.argmin(candidates)) + 1
-            delta = candidates[j1 - 1]
-            u[p[used]] += delta
-            v[used] -= delta
-            minv[~used] -= delta
-            j0 = j1
-            if p[j0] == 0:
-                break
-        while j0:  # flip the augmenting path
-            j1 = way[j0]
-            p[j0] = p[j1]
-            j0 = j1
-
-    matched_cols = np.nonzero(p[1:])[0]
-    row_of_col = p[1:][matched_cols] - 1
-    if transposed:
-        rows, cols = matched_cols, row_of_col
-    else:
-        rows, cols = row_of_col, matched_cols
-    order = np.argsort(rows, kind="stable")
-    return rows[order].astype(np.int64), cols[order].astype(np.int64)
+    n = _to_numpy(lengths_N, name="lengths_N").reshape(-1)
+    if n.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    c1, c2 = np.quantile(n, [1.0 / 3.0, 2.0 / 3.0], method="lower")
+    return np.where(n <= c1, 0, np.where(n <= c2, 1, 2)).astype(np.int64)
 
 
 def _best_matching(counts_KS: np.ndarray) -> tuple[dict[int, int], int]:
     """Latent->strategy one-to-one matching that maximises the matched counts, and that total."""
     if counts_KS.size == 0:
         return {}, 0
-    rows, cols = linear_assignment(-counts_KS.astype(np.float64))
+    from scipy.optimize import linear_sum_assignment
+
+    rows, cols = linear_sum_assignment(counts_KS, maximize=True)
     matching = {int(r): int(c) for r, c in zip(rows, cols)}
     return matching, int(counts_KS[rows, cols].sum())
 
@@ -296,8 +230,8 @@ def discrete_latent_metrics(
       kl_posterior_prior   mean_i KL(q_i || p_i) = mean_i sum_k q_ik (log q_ik - log p_ik)   (nats)
     With ``labels`` (gold strategy per row; None rows are left out of these metrics), on
     argmax_k q_i against the label:
-      nmi, ari, homogeneity, completeness  (see ``nmi``, ``adjusted_rand_index``,
-                           ``homogeneity_completeness``; homogeneity has the gold label as class)
+      nmi, ari, homogeneity, completeness  (see ``cluster_scores``; homogeneity has the gold label
+                           as class)
       confusion            (K, S) int counts, rows latent 0..K-1, columns ``confusion_strategy_labels``
                            (sorted), plus ``confusion_latent_labels``
       matching             {latent: strategy} maximising matched counts (Hungarian, one-to-one)
@@ -370,12 +304,8 @@ def discrete_latent_metrics(
                 q_kept_NK[i, latent_of_strategy[s]] if s in latent_of_strategy else 0.0
                 for i, s in enumerate(gold_idx_N.tolist())
             ]
-            homogeneity, completeness = homogeneity_completeness(gold, pred)
             out.update(
-                nmi=nmi(gold, pred),
-                ari=adjusted_rand_index(gold, pred),
-                homogeneity=homogeneity,
-                completeness=completeness,
+                **cluster_scores(gold, pred),
                 confusion=confusion_KS,
                 confusion_latent_labels=list(range(num_latents)),
                 confusion_strategy_labels=strategies,
@@ -483,51 +413,28 @@ def controllability_metrics(decoded: Sequence[Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def kmeans(
-    x_ND: Any, *, num_clusters: int, seed: int = 0, max_iter: int = 100, num_init: int = 4
-) -> tuple[np.ndarray, np.ndarray, float]:
-    """Lloyd's k-means with k-means++ seeding; deterministic for a given ``seed``.
+def kmeans_labels(x_ND: Any, *, num_clusters: int, seed: int = 0) -> tuple[np.ndarray, float]:
+    """k-means (scikit-learn's ``KMeans``: k-means++ seeding, Lloyd, 4 seedings) -> ``(labels_N, inertia)``.
 
-    Runs ``num_init`` seedings from one ``numpy.random.default_rng(seed)`` and keeps the lowest
-    inertia (sum of squared distances to the assigned centre). Returns ``(labels_N, centers_KD,
-    inertia)``. An empty cluster keeps its previous centre.
+    Deterministic for a given ``seed`` (``random_state``). Cluster ids are arbitrary; the partition
+    and inertia (sum of squared distances to the assigned centre) are what matter. On the recorded
+    cases the partitions and inertias equal those of the hand-written k-means this replaced; its
+    k-means++ sampler (greedy, several candidates per centre), tolerance and empty-cluster
+    relocation differ, so on data without a clear cluster structure the partition can differ.
     """
+    from sklearn.cluster import KMeans
+    from sklearn.exceptions import ConvergenceWarning
+
     x = _to_numpy(x_ND, name="x_ND")
     if x.ndim != 2 or x.shape[0] == 0:
         raise ValueError(f"x_ND: expected a non-empty (N, D) matrix, got shape {x.shape}")
     if not 1 <= num_clusters <= x.shape[0]:
         raise ValueError(f"num_clusters: must be in [1, N={x.shape[0]}], got {num_clusters}")
-    if num_init < 1:
-        raise ValueError(f"num_init: must be >= 1, got {num_init}")
-    rng = np.random.default_rng(seed)
-    n = x.shape[0]
-    best: tuple[np.ndarray, np.ndarray, float] | None = None
-    for _ in range(num_init):
-        centers = np.empty((num_clusters, x.shape[1]))
-        centers[0] = x[rng.integers(n)]
-        d2_N = ((x - centers[0]) ** 2).sum(axis=1)
-        for c in range(1, num_clusters):
-            total = d2_N.sum()
-            # All points already coincide with a centre: any pick is as good as another.
-            idx = rng.integers(n) if total <= 0 else rng.choice(n, p=d2_N / total)
-            centers[c] = x[idx]
-            d2_N = np.minimum(d2_N, ((x - centers[c]) ** 2).sum(axis=1))
-        labels = np.zeros(n, dtype=np.int64)
-        for it in range(max_iter):
-            d2_NC = ((x[:, None, :] - centers[None, :, :]) ** 2).sum(axis=2)
-            new_labels = d2_NC.argmin(axis=1)
-            if it > 0 and np.array_equal(new_labels, labels):
-                break
-            labels = new_labels
-            for c in range(num_clusters):
-                members = labels == c
-                if members.any():
-                    centers[c] = x[members].mean(axis=0)
-        inertia = float(((x - centers[labels]) ** 2).sum())
-        if best is None or inertia < best[2]:
-            best = (labels.copy(), centers.copy(), inertia)
-    assert best is not None
-    return best
+    with warnings.catch_warnings():
+        # Fewer distinct points than clusters (e.g. a collapsed encoder) is a valid input, not a fault.
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        km = KMeans(n_clusters=num_clusters, n_init=4, max_iter=100, random_state=seed).fit(x)
+    return km.labels_.astype(np.int64), float(km.inertia_)
 
 
 def gaussian_latent_metrics(
@@ -548,7 +455,8 @@ def gaussian_latent_metrics(
                            = mean_i 0.5 sum_d (mu^2 + exp(logvar) - 1 - logvar)   (nats per example)
       nmi, ari, homogeneity, completeness  of k-means clusters of mu against ``labels`` (None rows
                            left out); k = ``num_clusters`` or the number of distinct labels,
-                           k-means++ with ``seed``; ``num_clusters`` is reported back.
+                           ``kmeans_labels`` with ``seed``; ``num_clusters`` is reported back, and
+                           ``cluster_labels`` (the cluster of each labelled row, in order).
     """
     mu = _to_numpy(mu_ND, name="mu_ND")
     if mu.ndim != 2 or mu.shape[0] < 2 or mu.shape[1] == 0:
@@ -584,16 +492,8 @@ def gaussian_latent_metrics(
             k = len(set(gold)) if num_clusters is None else int(num_clusters)
             if not 1 <= k <= len(gold):
                 raise ValueError(f"num_clusters: must be in [1, {len(gold)}] (labelled rows), got {k}")
-            pred, _, _ = kmeans(mu[keep_N], num_clusters=k, seed=seed)
-            pred_list = pred.tolist()
-            homogeneity, completeness = homogeneity_completeness(gold, pred_list)
-            out.update(
-                num_clusters=k,
-                nmi=nmi(gold, pred_list),
-                ari=adjusted_rand_index(gold, pred_list),
-                homogeneity=homogeneity,
-                completeness=completeness,
-            )
+            pred, _ = kmeans_labels(mu[keep_N], num_clusters=k, seed=seed)
+            out.update(num_clusters=k, cluster_labels=pred, **cluster_scores(gold, pred.tolist()))
     return out
 
 
@@ -712,6 +612,56 @@ def plot_latent_figure(
         ax_use.set_title("latent usage")
         if title:
             fig.suptitle(title)
+        fig.tight_layout()
+        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                fig.savefig(handle, format="png", dpi=100)
+            os.replace(tmp_path, path)
+        except BaseException:
+            if os.path.exists(tmp_path):
+                os.remove(tmp_path)
+            raise
+    finally:
+        plt.close(fig)
+    return path
+
+
+def plot_information_gain(
+    mean_by_position: Sequence[float | None],
+    path: str | os.PathLike,
+    decision_positions: Mapping[int, int] | None = None,
+    title: str | None = None,
+) -> str:
+    """Write a PNG of the mean per-position information gain b_t - l_t (nats) over y positions t.
+
+    ``mean_by_position`` as from ``information_gain_by_position`` (None where no row has a token).
+    ``decision_positions`` maps a y position to the number of examples whose strategies part there;
+    each is marked with a dashed vertical line whose opacity is its share of examples. Without it
+    (user data) the curve is drawn unmarked. Written atomically like ``plot_latent_figure``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gains = [np.nan if g is None else float(g) for g in mean_by_position]
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.3 * len(gains) + 2.0), 3.2))
+    try:
+        ax.axhline(0.0, color="grey", lw=0.8)
+        ax.plot(range(len(gains)), gains, marker="o", ms=3, color="tab:blue", label="mean b_t - l_t")
+        if decision_positions:
+            total = sum(decision_positions.values())
+            for i, (position, count) in enumerate(sorted(decision_positions.items())):
+                ax.axvline(position, color="tab:red", ls="--", alpha=max(0.15, count / total),
+                           label="decision position (opacity: share of examples)" if i == 0 else None)
+        ax.set_xlabel("y position t (0 = first y token)")
+        ax.set_ylabel("information gain (nats)")
+        ax.legend(loc="best", fontsize=8)
+        ax.set_title(title or "where z acts")
         fig.tight_layout()
         fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
         try:

@@ -142,5 +142,9 @@ else:
         for key, value in single.items():
             assert math.isclose(ranks[0][key], value, rel_tol=1e-5, abs_tol=1e-6), (key, ranks[0][key], value)
         assert single["decode/num_examples"] == NUM_VAL and single["num_examples"] == NUM_VAL
+        # The stratified and reachable metrics were among the keys compared above.
+        assert "nmi_reachable" in single and "nmi_ratio" in single
+        assert any(k.startswith("by_strategy/") for k in single) and "by_length/t1/nmi" in single
         assert os.path.isfile(os.path.join(out, engine_name, "eval_step1.json"))
         assert os.path.isfile(os.path.join(out, engine_name, "latents.png"))
+        assert os.path.isfile(os.path.join(out, engine_name, "information_gain.png"))

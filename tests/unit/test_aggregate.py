@@ -209,3 +209,11 @@ def test_seed_grouping_with_project_run_names(tmp_path):
     ]
     (row,) = aggregate_runs(runs)
     assert row["n"] == 2 and row["name"] == "agg-mean_dist-1_beta-1"
+
+
+def test_default_table_shows_reachable_nmi_and_ratio(tmp_path):
+    run = write_run(tmp_path, "r", records=history({"nmi": 0.6, "nmi_reachable": 0.8, "nmi_ratio": 0.75}))
+    rows = aggregate_runs([run])
+    assert rows[0]["nmi_reachable"].mean == 0.8 and rows[0]["nmi_ratio"].mean == 0.75
+    header = format_table(rows).splitlines()[0]
+    assert "| nmi | nmi_reachable | nmi_ratio |" in header

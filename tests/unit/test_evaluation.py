@@ -129,6 +129,131 @@ def test_summarize_computes_whole_set_metrics_and_controllability_by_hand():
     assert scalars["info_gain/mean"] == pytest.approx(1.5 / 5)
 
 
+def _nmi_by_hand(a, b):
+    """Arithmetic-mean NMI from the contingency counts (an independent implementation, for the test)."""
+    n = len(a)
+    pairs = {}
+    for u, v in zip(a, b):
+        pairs[(u, v)] = pairs.get((u, v), 0) + 1
+    pa = {u: a.count(u) / n for u in set(a)}
+    pb = {v: b.count(v) / n for v in set(b)}
+    mi = sum(c / n * math.log((c / n) / (pa[u] * pb[v])) for (u, v), c in pairs.items())
+    h = lambda p: -sum(x * math.log(x) for x in p.values())  # noqa: E731
+    return mi / ((h(pa) + h(pb)) / 2)
+
+
+RECON_TERMS = (
+    "reconstruction_loss",
+    "distribution_normalized_reconstruction_loss",
+    "example_inverse_surprisal_weighted_reconstruction_loss",
+    "token_weighted_reconstruction_loss",
+    "normalized_concentration_corrected_token_weighted_reconstruction_loss",
+    "normalized_inverse_surprisal_token_weighted_reconstruction_loss",
+)
+
+
+def _stratified_set():
+    """Six hand-built examples: gold A, A, B, B, C, C; rows 3 and 4 have the same (x, y) (B and C)."""
+    gold = ["A", "A", "B", "B", "C", "C"]
+    lengths = [2, 2, 3, 4, 4, 5]
+    q = [[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0], [0.6, 0.4]]
+    xy = [((3,), (1, 3)), ((4,), (1, 4)), ((3,), (2, 3, 9)), ((5,), (2, 5, 9, 9)), ((5,), (2, 5, 9, 9)), ((6,), (3, 6, 9, 9, 9))]
+    val = [SimpleNamespace(id=f"e{i}", x_ids=x, y_ids=y, strategy=g) for i, ((x, y), g) in enumerate(zip(xy, gold))]
+    records = []
+    for i in range(6):
+        rec = _record(i, q[i], gold[i], n=lengths[i])
+        rec["cond_nll"], rec["ref_nll"] = [1.0] * lengths[i], [1.0] * lengths[i]
+        # term j of example i = 10 j + i, so a stratum's mean is 10 j + (mean of its indices)
+        rec["terms"].update({name: 10.0 * j + i for j, name in enumerate(RECON_TERMS)})
+        records.append(rec)
+    return val, records, gold
+
+
+def test_summarize_stratified_and_reachable_metrics_are_exact_on_a_hand_built_set(tmp_path):
+    from zcvae.evaluation import _write_outputs
+
+    cfg = SimpleNamespace(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
+                          router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
+    val, records, gold = _stratified_set()
+    scalars, details = summarize(records, [], cfg=cfg, val=val, task=None, tokenizer=_Tok(), c_base=0.0, num_decode_steps=None)
+    argmax = [0, 0, 1, 1, 1, 0]
+    assert scalars["nmi"] == pytest.approx(_nmi_by_hand(gold, argmax), abs=1e-12)
+    # Reachable: the (x, y) of rows 3 and 4 is one input with gold B and C (a tie -> "B"), so the best
+    # function of (x, y) labels the rows A A B B B C.
+    reachable = _nmi_by_hand(gold, ["A", "A", "B", "B", "B", "C"])
+    h_maj = -(2 / 6 * math.log(2 / 6) + 3 / 6 * math.log(3 / 6) + 1 / 6 * math.log(1 / 6))
+    assert reachable == pytest.approx((0.5 * math.log(3) + math.log(2) / 3) / ((math.log(3) + h_maj) / 2))
+    assert scalars["nmi_reachable"] == pytest.approx(reachable, abs=1e-12)
+    assert scalars["nmi_ratio"] == pytest.approx(_nmi_by_hand(gold, argmax) / reachable, abs=1e-12)
+
+    # by strategy
+    for s, rows in {"A": [0, 1], "B": [2, 3], "C": [4, 5]}.items():
+        p = f"by_strategy/{s}"
+        assert scalars[f"{p}/num_examples"] == len(rows)
+        for j, name in enumerate(RECON_TERMS):
+            assert scalars[f"{p}/{name}"] == pytest.approx(10 * j + sum(rows) / len(rows)), (p, name)
+        one_vs_rest = [g == s for g in gold]
+        assert scalars[f"{p}/nmi"] == pytest.approx(_nmi_by_hand(one_vs_rest, argmax), abs=1e-12)
+    assert scalars["by_strategy/A/latent_usage/0"] == 1.0 and scalars["by_strategy/A/latent_usage/1"] == 0.0
+    assert scalars["by_strategy/A/num_used_latents"] == 1 and scalars["by_strategy/A/mi"] == pytest.approx(0.0)
+    assert scalars["by_strategy/C/latent_usage/0"] == pytest.approx(0.3)
+    assert scalars["by_strategy/C/latent_usage/1"] == pytest.approx(0.7)
+    # within C: qbar = (0.3, 0.7); MI = H(qbar) - (H(0,1) + H(0.6,0.4)) / 2
+    h = lambda p: -sum(x * math.log(x) for x in p if x > 0)  # noqa: E731
+    assert scalars["by_strategy/C/mi"] == pytest.approx(h([0.3, 0.7]) - h([0.6, 0.4]) / 2)
+    assert scalars["by_strategy/C/num_used_latents"] == 2
+
+    # by tercile of n = 2 2 3 4 4 5: cut points 2 and 4 -> t1 = {0, 1}, t2 = {2, 3, 4}, t3 = {5}
+    for t, rows in {"t1": [0, 1], "t2": [2, 3, 4], "t3": [5]}.items():
+        p = f"by_length/{t}"
+        assert scalars[f"{p}/num_examples"] == len(rows)
+        assert scalars[f"{p}/min_length"] == min(len(records[i]["cond_nll"]) for i in rows)
+        assert scalars[f"{p}/max_length"] == max(len(records[i]["cond_nll"]) for i in rows)
+        for j, name in enumerate(RECON_TERMS):
+            assert scalars[f"{p}/{name}"] == pytest.approx(10 * j + sum(rows) / len(rows)), (p, name)
+        usage = np.mean([records[i]["q"] for i in rows], axis=0)
+        assert [scalars[f"{p}/latent_usage/{k}"] for k in (0, 1)] == pytest.approx(usage.tolist())
+    assert scalars["by_length/t1/nmi"] == 1.0  # one strategy, one latent
+    assert scalars["by_length/t2/nmi"] == 0.0  # B, B, C all on latent 1: no information
+    assert scalars["by_length/t3/nmi"] == 1.0
+
+    # user data: no decision positions, the information-gain figure is still written (unmarked)
+    assert details["info_gain"]["decision_positions"] is None
+    _write_outputs(tmp_path, 3, scalars, details)
+    assert (tmp_path / "information_gain.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "information_gain_step3.png").is_file()
+
+
+def test_nmi_ratio_is_one_when_nothing_is_reachable():
+    from zcvae.metrics import nmi_ratio, reachable_nmi
+
+    # every input is produced by both strategies equally often: no function of (x, y) tells them apart
+    reach, majority = reachable_nmi(["u", "u", "v", "v"], ["a", "b", "a", "b"])
+    assert reach == 0.0 and majority == ["a", "a", "a", "a"]
+    assert nmi_ratio(0.0, reach) == 1.0
+    assert nmi_ratio(0.45, 0.9) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="same length"):
+        reachable_nmi(["u"], ["a", "b"])
+
+
+def test_decision_positions_of_a_late_family_are_counted_in_token_positions(tmp_path):
+    from zcvae.data import build_tokenizer, get_task, make_examples
+    from zcvae.evaluation import _decision_positions
+    from zcvae.metrics import plot_information_gain
+
+    tok = build_tokenizer()
+    task = get_task("mul")
+    examples = make_examples(task, seed=0, split="val", num_examples=12)
+    val = [SimpleNamespace(x_ids=tuple(tok(e.x)["input_ids"]), y_ids=tuple(tok(e.y)["input_ids"])) for e in examples]
+    counts = _decision_positions([{"index": i} for i in range(len(val))], val=val, task=task, tokenizer=tok)
+    expected: dict[int, int] = {}
+    for e in examples:  # after 'a * b': len(a) + 2 words = tokens
+        expected[len(e.x.split())] = expected.get(len(e.x.split()), 0) + 1
+    assert counts == expected and len(counts) >= 2
+    path = plot_information_gain([0.0, 0.1, None, 0.5], tmp_path / "g.png", decision_positions=counts)
+    assert open(path, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # ---------------------------------------------------------------- the real model
 
 
@@ -255,6 +380,9 @@ def test_evaluate_returns_every_metric_writes_files_and_restores_train_mode(setu
     png = tmp_path / "latents_step7.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "latents.png").read_bytes() == png.read_bytes()
+    gain_png = tmp_path / "information_gain_step7.png"
+    assert gain_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "information_gain.png").read_bytes() == gain_png.read_bytes()
     import json
 
     details = json.loads((tmp_path / "eval_step7.json").read_text())
@@ -263,6 +391,7 @@ def test_evaluate_returns_every_metric_writes_files_and_restores_train_mode(setu
     assert np.asarray(details["confusion"]).sum() == len(s.val)
     assert set(details["control"]["purity_per_latent"]) == {"0", "1", "2"}
     assert len(details["info_gain"]["mean_by_position"]) == max(ex.num_supervised for ex in s.val)
+    assert details["info_gain"]["decision_positions"] == {"0": len(s.val)}  # copy: the marker decides
 
 
 def test_evaluate_losses_and_mi_match_a_direct_whole_set_forward(setup):
@@ -338,6 +467,9 @@ def test_simulated_two_rank_evaluation_on_an_odd_set_matches_one_process(setup, 
     assert calls[0] == calls[1]  # the same forwards, in order: rank 1 ran padding batches
     assert calls[0].count("train") == 2 and calls[0].count("decode") == 2 * s.cfg.max_new_tokens
     assert set(results[0]) == set(single)
+    # The stratified and reachable metrics are among the keys compared (the shards split every stratum).
+    assert {"nmi_reachable", "nmi_ratio", "by_length/t1/nmi"} <= set(single)
+    assert any(k.startswith("by_strategy/") and k.endswith("/latent_usage/2") for k in single)
     for key, value in single.items():
         assert results[0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert (tmp_path / "eval_step1.json").is_file()  # rank 0 wrote it
@@ -395,3 +527,36 @@ def test_evaluate_run_names_a_missing_run_config(tmp_path):
 
     with pytest.raises(ValueError, match="run_config.json"):
         evaluate_run(tmp_path)
+
+
+def test_reachable_nmi_counts_every_strategy_that_renders_a_y():
+    from zcvae.metrics import reachable_nmi
+
+    # Three unique inputs: without candidates each is its own majority (NMI 1); with candidates the
+    # second is produced by a and b alike, and the tie goes to "a".
+    reach, best = reachable_nmi(["u", "v", "w", "z"], ["a", "b", "a", "b"], [["a"], ["a", "b"], ["a"], ["b"]])
+    assert best == ["a", "a", "a", "b"]
+    assert reach == pytest.approx(_nmi_by_hand(["a", "b", "a", "b"], best))
+    assert reachable_nmi(["u", "v", "w", "z"], ["a", "b", "a", "b"])[0] == 1.0
+
+
+def test_nmi_reachable_on_mul_equals_the_canonical_strategy_nmi():
+    """On ``mul`` (direct = repeated iff b = 1), reachable NMI < 1, computed independently from b."""
+    from zcvae.data import build_tokenizer, get_task, make_examples
+    from zcvae.evaluation import _equivalent_strategies
+    from zcvae.metrics import reachable_nmi
+
+    tok = build_tokenizer()
+    task = get_task("mul")
+    examples = make_examples(task, seed=0, split="val", num_examples=60)
+    val = [SimpleNamespace(x_ids=tuple(tok(e.x)["input_ids"]), y_ids=tuple(tok(e.y)["input_ids"]), strategy=e.strategy)
+           for e in examples]
+    records = [{"index": i} for i in range(len(val))]
+    candidates = _equivalent_strategies(range(len(val)), records, val=val, task=task, tokenizer=tok)
+    gold = [e.strategy for e in examples]
+    inputs = [(v.x_ids, v.y_ids) for v in val]
+    reach, best = reachable_nmi(inputs, gold, candidates)
+    canonical = ["direct" if e.x.endswith("* 1") and s in ("direct", "repeated") else s for e, s in zip(examples, gold)]
+    assert any(e.x.endswith("* 1") and s == "repeated" for e, s in zip(examples, gold))  # the set is ambiguous
+    assert best == canonical
+    assert reach == pytest.approx(_nmi_by_hand(gold, canonical)) and reach < 1.0

@@ -10,6 +10,9 @@ from zcvae.data import DEFAULT_TASK, SPLITS, TASKS, Example, ParsedY, TaskFamily
 NUM_EXAMPLES = 200  # per task, split and strategy: every length and many shapes of x
 
 TASK_NAMES = sorted(TASKS)
+# Families whose first y word names the strategy (t0 = 1); the late-decision ones are tested below.
+MARKER_FIRST = sorted(name for name, task in TASKS.items() if not task.late_decision)
+LATE = sorted(name for name, task in TASKS.items() if task.late_decision)
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +31,7 @@ def generated():
 
 def test_registry_and_default():
     assert len(TASKS) >= 3
+    assert {"sort3", "mul"} <= set(LATE)
     assert DEFAULT_TASK in TASKS
     for name, task in TASKS.items():
         assert isinstance(task, TaskFamily)
@@ -39,7 +43,7 @@ def test_registry_and_default():
         get_task("no-such-task")
 
 
-@pytest.mark.parametrize("name", TASK_NAMES)
+@pytest.mark.parametrize("name", MARKER_FIRST)
 def test_parse_round_trips_every_gold_y(name, generated):
     task = TASKS[name]
     for example in generated[name]:
@@ -61,7 +65,7 @@ def test_sequences_are_short_and_x_independent_of_strategy(name, generated):
     ).x
 
 
-@pytest.mark.parametrize("name", TASK_NAMES)
+@pytest.mark.parametrize("name", MARKER_FIRST)
 def test_strategies_differ_within_first_two_tokens(name):
     task = TASKS[name]
     for index in range(200):
@@ -73,7 +77,7 @@ def test_strategies_differ_within_first_two_tokens(name):
         assert [task.render(x, s).split() for s in task.strategies] == ys
 
 
-@pytest.mark.parametrize("name", TASK_NAMES)
+@pytest.mark.parametrize("name", MARKER_FIRST)
 def test_strategy_is_a_uniform_mixture_and_lengths_correlate(name):
     task = TASKS[name]
     examples = make_examples(task, seed=0, split="train", num_examples=1000)
@@ -188,7 +192,7 @@ def _corruptions(task: TaskFamily, example: Example) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("name", TASK_NAMES)
+@pytest.mark.parametrize("name", MARKER_FIRST)
 def test_parse_rejects_truncated_and_cross_strategy_text(name, generated):
     task = TASKS[name]
     for example in generated[name][:300]:
@@ -204,7 +208,7 @@ def test_parse_never_raises_on_garbage(name):
     tokenizer = build_tokenizer()
     vocabulary = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     texts = ["", "   ", ".", "\n\t", "fwd", "rev =", "?? !!", "é ü 中文", "1" * 50, None, 3, b"fwd 1 ."]
-    markers = list(task.markers.values())
+    markers = list(task.markers.values()) or vocabulary  # late-decision families have no first-word marker
     for _ in range(3000):
         words = [rng.choice(vocabulary) for _ in range(rng.randint(0, 20))]
         if rng.random() < 0.7:
@@ -246,3 +250,88 @@ def test_every_generated_word_is_in_the_tokenizer_vocabulary(generated):
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
         assert all(len(ids) == len(text.split()) for ids, text in zip(encoded, texts))
         assert tokenizer.unk_token_id not in {token_id for ids in encoded for token_id in ids}
+
+
+# ---------------------------------------------------------------- late-decision families
+
+
+@pytest.mark.parametrize("name", LATE)
+def test_late_parse_round_trips_every_gold_y(name, generated):
+    task = TASKS[name]
+    for example in generated[name]:
+        parsed = task.parse(example.y)
+        assert parsed.parse_ok and parsed.answer == task.answer(example.x), example
+        # The named strategy is the gold one, or (ambiguous y) one that renders the very same y.
+        assert parsed.strategy == example.strategy or task.render(example.x, parsed.strategy) == example.y, example
+        assert parsed.strategy == next(s for s in task.strategies if task.render(example.x, s) == example.y)
+
+
+@pytest.mark.parametrize("name", LATE)
+def test_late_families_share_a_prefix_and_decide_at_the_documented_position(name, generated):
+    task = TASKS[name]
+    assert len(task.strategies) >= 3
+    positions = set()
+    for example in generated[name][:: len(task.strategies)]:
+        ys = [task.render(example.x, s).split() for s in task.strategies]
+        (position,) = task.decision_positions(example.x)
+        # sort3: after the digits of x; mul: after 'a * b'. Either way, right after the restated x.
+        assert position == len(example.x.split()), example
+        assert position >= 3
+        assert all(y[:position] == example.x.split() for y in ys)  # the shared prefix restates x
+        distinct = {tuple(y) for y in ys}
+        assert len({y[position] for y in distinct}) == len(distinct)  # distinct ys part right there
+        positions.add(position)
+    assert len(positions) >= 2  # the decision point varies by example
+
+
+def test_late_parse_rejects_truncations_and_swapped_decision_words(generated):
+    for name in LATE:
+        task = TASKS[name]
+        for example in generated[name][:300]:
+            words = example.y.split()
+            for cut in range(len(words)):
+                assert task.parse(" ".join(words[:cut])).parse_ok is False, (example, cut)
+            (position,) = task.decision_positions(example.x)
+            for other in task.strategies:
+                swapped = task.render(example.x, other).split()[position]
+                if swapped != words[position]:
+                    text = " ".join([*words[:position], swapped, *words[position + 1 :]])
+                    assert task.parse(text).parse_ok is False, (example, text)
+
+
+def test_known_late_renders_and_marker_first_decision_positions():
+    assert [TASKS["sort3"].render("3 1 3 2", s) for s in TASKS["sort3"].strategies] == [
+        "3 1 3 2 = 1 2 3 3 .", "3 1 3 2 count 1 * 1 2 * 1 3 * 2 = 1 2 3 3 .", "3 1 3 2 rev 3 3 2 1 = 1 2 3 3 .",
+    ]
+    assert [TASKS["mul"].render("4 7 * 3", s) for s in TASKS["mul"].strategies] == [
+        "4 7 * 3 = 1 4 1 .", "4 7 * 3 + 4 7 + 4 7 = 1 4 1 .", "4 7 * 3 1 2 4 1 = 1 4 1 .",
+    ]
+    assert TASKS["mul"].render("4 7 * 1", "repeated") == TASKS["mul"].render("4 7 * 1", "direct") == "4 7 * 1 = 4 7 ."
+    for name in MARKER_FIRST:
+        x = TASKS[name].example(seed=0, split="train", index=0).x
+        assert TASKS[name].decision_positions(x) == (0,)
+        assert TASKS[name].equivalent_strategies(x) == []
+
+
+def test_mul_ambiguity_is_exactly_b_equal_one_at_the_documented_rate():
+    task = TASKS["mul"]
+    examples = make_examples(task, seed=0, split="train", num_examples=4000)
+    ambiguous = 0
+    for example in examples:
+        b = int(example.x.split()[-1])
+        groups = task.equivalent_strategies(example.x)
+        assert groups == ([("direct", "repeated")] if b == 1 else []), example
+        ambiguous += b == 1
+    # Documented: 1/4 of the inputs. Binomial(4000, 1/4): 5 standard deviations is about 0.034.
+    assert abs(ambiguous / len(examples) - 0.25) < 0.034
+    assert "1/4" in task.ambiguity and "1/6" in task.ambiguity
+    for name in ("sort3",):
+        assert all(TASKS[name].equivalent_strategies(e.x) == [] for e in make_examples(name, seed=0, split="val", num_examples=500))
+
+
+def test_late_families_keep_the_tokenizer_vocabulary_unchanged():
+    # Their words are words of the marker-first families, so adding them shifted no token id (a
+    # cached built-in backbone of copy/sort/add/search is still valid) and nothing maps to <unk>.
+    old_words = {w for name in MARKER_FIRST for w in TASKS[name].vocabulary()}
+    for name in LATE:
+        assert set(TASKS[name].vocabulary()) <= old_words

@@ -25,18 +25,39 @@ Families (y length counts whitespace tokens of y only; means over 8,000 train ex
 model (attention to one position of x per step, no arithmetic), its sequences are the shortest, and
 the reverse trace is twice as long as the forward one.
 
+Late-decision families (``late_decision = True``): the first y words restate x, so every strategy
+shares a prefix whose length varies with x, and the strategies part only at the *decision position*
+(0-based y word index; with the built-in word-level tokenizer, also the y token index). There are
+K = 3 strategies, the strategy is drawn uniformly, and `parse` tells the strategy from the word at
+the decision position and checks the whole y against a re-render from the restated x:
+
+| family | strategies | x | mean y length | decision position | ambiguity |
+|---|---|---|---|---|---|
+| sort3 | direct / count / descending | 3-5 digits | 10.0 / 21.1 / 15.0 | len(x) (3-5) | none |
+| mul | direct / repeated / column | 'a * b', a of 2-4 digits, b in 1-4 | 10.5 / 16.4 / 16.5 | len(a) + 2 (4-6) | direct = repeated iff b = 1 |
+
+`mul` is ambiguous by construction: when b = 1, repeated addition writes no "+ a" step and its y is
+the direct y, so no encoder can tell them apart. b is drawn uniformly from 1-4, so 1/4 of the inputs
+(and 1/4 x 2/3 = 1/6 of the examples) are ambiguous; `parse` names the first strategy in
+`strategies` order ("direct") for such a y. `TaskFamily.decision_positions(x)` and
+`TaskFamily.equivalent_strategies(x)` give both per input, for every family (the marker-first
+families decide at position 0 and are never ambiguous). The figure `information_gain.png` marks them.
+
 Examples (x -> y):
     copy   "3 1 4 1"        -> "fwd 3 1 4 1 ." | "rev 1 4 1 3 = 3 1 4 1 ."
     sort   "3 1 3 2"        -> "sort 1 2 3 3 ." | "count 1 * 1 2 * 1 3 * 2 = 1 2 3 3 ."
     add    "4 7 + 8 5"      -> "sum 1 3 2 ." | "col 2 c1 3 c1 = 1 3 2 ."
     search "a b a c b d ? d" -> "bfs a b c d = a b d ." | "dfs a b d b a c a = a b d ."
+    sort3  "3 1 3 2"        -> "3 1 3 2 = 1 2 3 3 ." | "3 1 3 2 count 1 * 1 2 * 1 3 * 2 = 1 2 3 3 ."
+                               | "3 1 3 2 rev 3 3 2 1 = 1 2 3 3 ."
+    mul    "4 7 * 3"        -> "4 7 * 3 = 1 4 1 ." | "4 7 * 3 + 4 7 + 4 7 = 1 4 1 ." | "4 7 * 3 1 2 4 1 = 1 4 1 ."
 
 Determinism: an example depends only on (task name, seed, split, index), through a SHA-256 hash that
 seeds a `random.Random` (never Python's salted `hash()`). Splits hold disjoint inputs: every x is
 assigned to exactly one split by a hash of (task name, x) (80% train, 10% val, 10% test), and the
 generator redraws x until it lands in the requested split, so val/test scores measure unseen inputs.
 
-Parsing: `parse(y)` never raises. `strategy` is the strategy named by the first word when it is a
+Parsing (marker-first families): `parse(y)` never raises. `strategy` is the strategy named by the first word when it is a
 known marker (even if the rest is malformed, so strategy purity can be scored on sloppy output);
 `answer` is set only when `parse_ok`, i.e. the whole y is well formed and internally consistent
 (e.g. a reverse trace must undo to the copy it claims). `answer(x)` is the strategy-independent
@@ -124,6 +145,11 @@ class TaskFamily:
     strategies: tuple[str, ...]
     description: str
     markers: Mapping[str, str]
+    # True for families whose y restates x first, so that the strategies part only after a shared
+    # prefix (see the module docstring); False for the marker-first families (decision at 0).
+    late_decision: bool = False
+    # How often two strategies give the same y, in words (the number is tested).
+    ambiguity: str = "none: every strategy gives a different y for every x"
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -183,6 +209,30 @@ class TaskFamily:
     def answer(self, x: str) -> str:
         """The strategy-independent correct answer for x. ValueError if x is malformed."""
         return self._answer(self._read_x(x))
+
+    def decision_positions(self, x: str) -> tuple[int, ...]:
+        """The y word positions (0-based) where the gold ys of two strategies first differ, sorted.
+
+        One entry per distinct position over all pairs of strategies whose ys differ (a y that is a
+        prefix of another differs at its length). With the built-in word-level tokenizer a word
+        position is also the y token position. ValueError if x is malformed.
+        """
+        ys = [self.render(x, s).split() for s in self.strategies]
+        positions = set()
+        for i in range(len(ys)):
+            for j in range(i + 1, len(ys)):
+                a, b = ys[i], ys[j]
+                if a == b:
+                    continue
+                positions.add(next((t for t, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b))))
+        return tuple(sorted(positions))
+
+    def equivalent_strategies(self, x: str) -> list[tuple[str, ...]]:
+        """Groups (in `strategies` order) of two or more strategies that give the same y for x."""
+        groups: dict[str, list[str]] = {}
+        for strategy in self.strategies:
+            groups.setdefault(self.render(x, strategy), []).append(strategy)
+        return [tuple(group) for group in groups.values() if len(group) > 1]
 
     def vocabulary(self) -> list[str]:
         """Every word that can appear in this family's x or y, sorted."""
@@ -523,8 +573,170 @@ class SearchTask(TaskFamily):
         return {*LETTERS, "?", "="}
 
 
+class _LateDecisionTask(TaskFamily):
+    """y = the words of x restated, then the strategy's trace: the strategies share that prefix.
+
+    Subclasses implement `_split_restated(words) -> (x words, decision position) | None` and
+    `_strategy_at(word)`. `parse` reads the restated x, names the strategy from the word at the
+    decision position, and accepts y only if it equals `render(restated x, strategy)`, so a parsed y
+    is always self-consistent and its answer is that of the restated x.
+    """
+
+    late_decision = True
+    markers: Mapping[str, str] = MappingProxyType({})
+
+    def render(self, x: str, strategy: str) -> str:
+        self._check_strategy(strategy)
+        parsed_x = self._read_x(x)
+        return " ".join([*x.split(), *self._render_body(parsed_x, strategy), END])
+
+    def parse(self, y: str) -> ParsedY:
+        if not isinstance(y, str):
+            return _FAILED
+        words = y.split()
+        split = self._split_restated(words)
+        if split is None:
+            return _FAILED
+        x_words, position = split
+        strategy = self._strategy_at(words[position]) if position < len(words) else None
+        if strategy is None:
+            return _FAILED
+        x = " ".join(x_words)
+        try:
+            ok = self.render(x, strategy).split() == words
+        except ValueError:  # the restated x is not a valid input
+            ok = False
+        if not ok:
+            # An ambiguous y (two strategies, one text) parses as the first strategy that renders it.
+            return ParsedY(strategy=strategy, answer=None, parse_ok=False)
+        return ParsedY(strategy=strategy, answer=self.answer(x), parse_ok=True)
+
+    def _split_restated(self, words: list[str]) -> tuple[list[str], int] | None:
+        raise NotImplementedError
+
+    def _strategy_at(self, word: str) -> str | None:
+        raise NotImplementedError
+
+
+class Sort3Task(_LateDecisionTask):
+    """Sort digits ascending after restating them: directly, by counting, or descending then reversed."""
+
+    name = "sort3"
+    strategies = ("direct", "count", "descending")
+    description = (
+        "x: 3-5 digits. y restates x, then: direct: '=' and the digits ascending; count: 'count', "
+        "'d * c' for each distinct digit d (ascending) occurring c times, '=', the digits ascending; "
+        "descending: 'rev', the digits descending, '=', the digits ascending. Decision position: "
+        "len(x). Answer: the digits ascending."
+    )
+    _MAX_LEN = 9  # counts are one digit
+    _DECISION_WORDS = MappingProxyType({"=": "direct", "count": "count", "rev": "descending"})
+
+    def _sample_x(self, rng: random.Random) -> str:
+        return " ".join(rng.choice(DIGITS) for _ in range(rng.randint(3, 5)))
+
+    def _read_x(self, x: str) -> list[str]:
+        digits = x.split()
+        if not _is_digits(digits) or len(digits) > self._MAX_LEN:
+            raise self._bad_x(x, f"expected 1-{self._MAX_LEN} single digits separated by spaces")
+        return digits
+
+    def _render_body(self, digits: list[str], strategy: str) -> list[str]:
+        ascending = sorted(digits)
+        if strategy == "direct":
+            return ["=", *ascending]
+        if strategy == "count":
+            counts: list[str] = []
+            for digit, count in sorted(Counter(digits).items()):
+                counts += [digit, "*", str(count)]
+            return ["count", *counts, "=", *ascending]
+        return ["rev", *sorted(digits, reverse=True), "=", *ascending]
+
+    def _split_restated(self, words: list[str]) -> tuple[list[str], int] | None:
+        cut = next((i for i, w in enumerate(words) if w not in DIGITS), len(words))
+        return (words[:cut], cut) if cut > 0 else None
+
+    def _strategy_at(self, word: str) -> str | None:
+        return self._DECISION_WORDS.get(word)
+
+    def _answer(self, digits: list[str]) -> str:
+        return " ".join(sorted(digits))
+
+    def _words(self) -> set[str]:
+        return {*DIGITS, "*", "=", "count", "rev"}
+
+
+class MulTask(_LateDecisionTask):
+    """Multiply a number by a digit after restating them: directly, by repeated addition, or by columns."""
+
+    name = "mul"
+    strategies = ("direct", "repeated", "column")
+    description = (
+        "x: 'a * b', a of 2-4 digits (no leading zero), b a digit 1-4. y restates x, then: direct: "
+        "'=' and the digits of a*b; repeated: '+ a' written b-1 times, '=', the digits of a*b; column: "
+        "for each digit of a from the right, the digit and the carry (one digit) of digit*b + carry, "
+        "'=', the digits of a*b. Decision position: len(a) + 2. Answer: the digits of a*b."
+    )
+    ambiguity = (
+        "direct and repeated give the same y exactly when b = 1 (no '+ a' step): 1/4 of the inputs "
+        "(b uniform in 1-4), 1/6 of the examples; parse names 'direct' for that y"
+    )
+
+    def _sample_x(self, rng: random.Random) -> str:
+        num_digits = rng.randint(2, 4)
+        a = str(rng.randint(10 ** (num_digits - 1), 10**num_digits - 1))
+        return " ".join([*a, "*", str(rng.randint(1, 4))])
+
+    def _read_x(self, x: str) -> tuple[list[str], int]:
+        words = x.split()
+        why = "expected 'a * b' with a written as single digits (no leading zero) and b a digit 1-9"
+        if len(words) < 3 or words[-2] != "*" or words[-1] not in DIGITS[1:]:
+            raise self._bad_x(x, why)
+        a = words[:-2]
+        if not _is_digits(a) or (len(a) > 1 and a[0] == "0"):
+            raise self._bad_x(x, why)
+        return a, int(words[-1])
+
+    def _render_body(self, parsed_x: tuple[list[str], int], strategy: str) -> list[str]:
+        a, b = parsed_x
+        product = list(str(int("".join(a)) * b))
+        if strategy == "direct":
+            return ["=", *product]
+        if strategy == "repeated":
+            return [*(["+", *a] * (b - 1)), "=", *product]
+        columns: list[str] = []
+        carry = 0
+        for digit in reversed(a):
+            column = int(digit) * b + carry
+            carry = column // 10
+            columns += [str(column % 10), str(carry)]
+        return [*columns, "=", *product]
+
+    def _split_restated(self, words: list[str]) -> tuple[list[str], int] | None:
+        if "*" not in words:
+            return None
+        star = words.index("*")
+        if star + 1 >= len(words):
+            return None
+        return words[: star + 2], star + 2
+
+    def _strategy_at(self, word: str) -> str | None:
+        if word == "=":
+            return "direct"
+        if word == "+":
+            return "repeated"
+        return "column" if word in DIGITS else None
+
+    def _answer(self, parsed_x: tuple[list[str], int]) -> str:
+        a, b = parsed_x
+        return " ".join(str(int("".join(a)) * b))
+
+    def _words(self) -> set[str]:
+        return {*DIGITS, "*", "+", "="}
+
+
 TASKS: Mapping[str, TaskFamily] = MappingProxyType(
-    {task.name: task for task in (CopyTask(), SortTask(), AddTask(), SearchTask())}
+    {task.name: task for task in (CopyTask(), SortTask(), AddTask(), SearchTask(), Sort3Task(), MulTask())}
 )
 DEFAULT_TASK = "copy"
 
