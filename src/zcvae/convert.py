@@ -170,6 +170,12 @@ def _write_conversion(path: Path, tmp: Path, *, sha256: str, log: Callable[[str]
     del quantized, plain, state
 
 
+def _is_complete(directory: Path, sha256: str) -> bool:
+    """Whether ``directory`` holds a finished conversion of the file with this sha256."""
+    record = conversion_record(directory) if directory.is_dir() else None
+    return record is not None and record.get("sha256") == sha256 and all((directory / f).is_file() for f in CONVERTED_FILES)
+
+
 def convert_gguf(
     gguf_file: str | os.PathLike,
     out: str | os.PathLike,
@@ -190,7 +196,7 @@ def convert_gguf(
         raise ValueError(f"{str(path)!r} is not a .gguf file")
     sha256 = sha256 or file_sha256(path)
     existing = conversion_record(out) if out.is_dir() else None
-    if existing is not None and existing.get("sha256") == sha256 and all((out / f).is_file() for f in CONVERTED_FILES):
+    if _is_complete(out, sha256):
         log(f"[gguf] {out} is up to date ({describe_conversion(existing)})")
         return out
     if out.exists() and existing is None:
@@ -231,9 +237,13 @@ def cached_conversion(gguf_file: str | os.PathLike, *, log: Callable[[str], None
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
     sha256 = file_sha256(path)
     root = cache_root() / "gguf"
-    out = root / f"{path.name[: -len('.gguf')]}-{sha256[:16]}"
-    with _file_lock(root / f"{out.name}.lock"):
-        return convert_gguf(path, out, sha256=sha256, log=log)
+    with _file_lock(root / f"{sha256[:16]}.lock"):
+        # the name shows what a directory holds, the suffix is the key: the same bytes under another
+        # file name find the existing conversion
+        for existing in sorted(root.glob(f"*-{sha256[:16]}")):
+            if _is_complete(existing, sha256):
+                return convert_gguf(path, existing, sha256=sha256, log=log)
+        return convert_gguf(path, root / f"{path.name[: -len('.gguf')]}-{sha256[:16]}", sha256=sha256, log=log)
 
 
 def resolve_backbone_path(backbone: str, *, log: Callable[[str], None] = print) -> str:
