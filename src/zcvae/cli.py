@@ -1,4 +1,4 @@
-"""The ``zcvae`` command: demo, pretrain, train, evaluate, aggregate, export, generate, encode.
+"""The ``zcvae`` command: demo, pretrain, train, evaluate, aggregate, export, generate, encode, convert-gguf.
 
 Every :class:`~zcvae.config.TrainConfig` field is a ``zcvae train`` flag in kebab case; a YAML/JSON file
 given with ``--config`` sets fields too, and flags on the command line win over the file.
@@ -125,7 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=1, help="Seeds per configuration.")
     p.set_defaults(func=_cmd_demo)
 
-    for name, help_text in (("export", "Export a run's LoRA adapter and latent heads."), ("generate", "Decode y for x with a chosen z."), ("encode", "Print q(z|x,y) and p(z|x).")):
+    for name, help_text in (
+        ("export", "Export a run's LoRA adapter and latent heads."),
+        ("generate", "Decode y for x with a chosen z."),
+        ("encode", "Print q(z|x,y) and p(z|x)."),
+        ("convert-gguf", "Convert a GGUF file into a Hugging Face checkpoint directory for --backbone."),
+    ):
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
@@ -139,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         from zcvae import inference
 
         return getattr(inference, f"{argv[0]}_main")(argv[1:])
+    if argv and argv[0] == "convert-gguf":
+        from zcvae.convert import main as convert_main
+
+        return convert_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -35,7 +35,7 @@ class TrainConfig:
     num_val_examples: int = _f(400, "Validation examples generated for a built-in task.")
     max_length: int = _f(64, "Maximum z-conditioned sequence length; x is truncated from the left, an example whose y cannot fit is skipped and counted.")
     # ---- backbone and latent
-    backbone: str | None = _f(None, "Local Hugging Face checkpoint directory of the causal LM (built-in tiny backbone pretrained on the task when omitted).")
+    backbone: str | None = _f(None, "Local Hugging Face checkpoint directory of the causal LM, or a .gguf file (dequantized into a cached checkpoint, see `zcvae convert-gguf`); the built-in tiny backbone pretrained on the task when omitted.")
     trust_remote_code: bool = _f(False, "Allow the backbone's own modelling code to run (off unless you trust the checkpoint).")
     latent_type: str = _f("discrete", "discrete (K learned z tokens, exact expectation) or continuous (Gaussian soft prompt).", choices=("discrete", "continuous"))
     num_latents: int = _f(2, "K, the number of discrete latent values.")

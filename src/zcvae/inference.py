@@ -110,9 +110,16 @@ def _builtin_backbone(cfg) -> Path:
 
 
 def resolve_backbone(cfg, *, override: str | None = None, recorded: str | None = None) -> str:
-    """The backbone directory: ``override`` > the one an export recorded > the run's > the built-in one."""
+    """The backbone directory: ``override`` > the one an export recorded > the run's > the built-in one.
+
+    A ``.gguf`` file is converted into (or found in) zcvae's cache, as ``zcvae train`` does.
+    """
+    from zcvae.convert import is_gguf_path, resolve_backbone_path
+
     for candidate in (override, recorded, cfg.backbone):
         if candidate:
+            if is_gguf_path(candidate) and Path(candidate).is_file():
+                return resolve_backbone_path(str(candidate), log=lambda line: print(line, file=sys.stderr))
             if not Path(candidate).is_dir():
                 raise ValueError(f"backbone directory {candidate!r} does not exist (pass --backbone DIR if it moved)")
             return str(candidate)
@@ -595,7 +602,7 @@ def encode_xy(model, x_ids, y_ids=None) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- CLI
 def _common_load_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="An export directory (zcvae export) or a run directory.")
-    parser.add_argument("--backbone", help="Backbone directory, if it moved since training (same config required).")
+    parser.add_argument("--backbone", help="Backbone directory or .gguf file, if it moved since training (same config required).")
     parser.add_argument("--checkpoint", help="Run directories only: this checkpoint instead of the newest.")
     parser.add_argument("--trust-remote-code", action="store_true", help="Let the backbone's own modelling code run.")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
@@ -620,7 +627,7 @@ def export_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", action="store_true", help="Also write OUT/merged: a full HF model with LoRA and the z rows merged.")
     parser.add_argument("--checkpoint", help="A checkpoint directory (default: the run's newest complete one).")
     parser.add_argument("--overwrite", action="store_true", help="Replace an existing non-empty OUT.")
-    parser.add_argument("--backbone", help="Backbone directory, if it moved since training.")
+    parser.add_argument("--backbone", help="Backbone directory or .gguf file, if it moved since training.")
     parser.add_argument("--trust-remote-code", action="store_true", help="Let the backbone's own modelling code run.")
 
     def go(argv) -> int:

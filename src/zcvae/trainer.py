@@ -28,6 +28,7 @@ import torch
 
 from zcvae import __version__
 from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at
+from zcvae.convert import conversion_record, describe_conversion, resolve_backbone_path
 from zcvae.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
 from zcvae.distributed import flush_denormals, free_cpu_cores, init_distributed, reduce_metrics
 from zcvae.losses import DIAGNOSTIC_REDUCTIONS
@@ -209,7 +210,9 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, float]:
 
     # 2. data and backbone
     splits = load_splits(cfg)
-    backbone = cfg.backbone or default_backbone(cfg, log=say)
+    backbone = resolve_backbone_path(cfg.backbone, log=say) if cfg.backbone else default_backbone(cfg, log=say)
+    if (conversion := conversion_record(backbone)) is not None:
+        say(f"[backbone] {backbone}: {describe_conversion(conversion)}")
     model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.seed)
     num_slots = cfg.slot_tokens
     train_enc, train_report = encode_examples(splits.train, model.tokenizer, model.tokens, max_length=cfg.max_length, num_z_slots=num_slots)
@@ -319,6 +322,8 @@ def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, re
     return {
         "config": cfg.to_dict(),
         "backbone": str(Path(backbone).resolve()),
+        # the GGUF file and quantization the weights were dequantized from; None for a plain checkpoint
+        "backbone_conversion": conversion_record(backbone),
         "reconstruction_loss_token_aggregation_mode": cfg.reconstruction_loss_token_aggregation_mode,
         "c_base": reference.c_base.to_dict(),
         "reference_policy": reference.policy,
