@@ -31,20 +31,6 @@ ENGINES = ("local", "fsdp2")
 NUM_VAL = 5
 
 
-def make_backbone(directory: str) -> None:
-    from transformers import LlamaForCausalLM
-
-    from zcvae.backbone import tiny_llama_config
-    from zcvae.data import build_tokenizer
-
-    tok = build_tokenizer()
-    config = tiny_llama_config(len(tok), hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
-                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tok.save_pretrained(directory)
-
-
 def run_evaluation(backbone: str, engine_name: str, run_dir: str | None) -> dict[str, float]:
     """Build model, engine and reference exactly alike on every rank, then evaluate (collective)."""
     from zcvae.config import TrainConfig
@@ -104,10 +90,9 @@ else:
     pytestmark = pytest.mark.distributed
 
     @pytest.fixture(scope="module")
-    def launched(tmp_path_factory):
-        backbone = str(tmp_path_factory.mktemp("backbone"))
+    def launched(tmp_path_factory, tiny_backbone):
+        backbone = str(tiny_backbone(hidden_size=16, intermediate_size=32))
         out = str(tmp_path_factory.mktemp("eval_sharding"))
-        make_backbone(backbone)
         env = dict(os.environ)
         env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"})
         env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "src"), env.get("PYTHONPATH", "")])

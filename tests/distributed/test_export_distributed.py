@@ -50,41 +50,29 @@ def _run(cmd: list[str], tmp: Path) -> None:
         pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
 
 
-def _make_backbone(directory: Path) -> Path:
-    from transformers import LlamaForCausalLM
-
-    from zcvae.backbone import tiny_llama_config
-    from zcvae.data.tokenizer import build_tokenizer
-
-    tok = build_tokenizer()
-    cfg = tiny_llama_config(len(tok), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("export_dist")
-    _make_backbone(tmp / "backbone")
-    return tmp
+    return tmp_path_factory.mktemp("export_dist")
 
 
 @pytest.fixture(scope="module")
-def reference_export(workdir) -> Path:
+def backbone(tiny_backbone) -> Path:
+    return tiny_backbone()
+
+
+@pytest.fixture(scope="module")
+def reference_export(workdir, backbone) -> Path:
     run_dir = workdir / "single"
-    _run([sys.executable, "-m", "zcvae", "train", "--backbone", str(workdir / "backbone"), "--output-dir", str(run_dir),
+    _run([sys.executable, "-m", "zcvae", "train", "--backbone", str(backbone), "--output-dir", str(run_dir),
           *TRAIN, "--gradient-accumulation-steps", "2"], workdir)
     return export_run(run_dir, out=workdir / "export-single")
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_two_rank_export_equals_single_process_export(workdir, reference_export, scenario):
+def test_two_rank_export_equals_single_process_export(workdir, backbone, reference_export, scenario):
     run_dir = workdir / f"run-{scenario}"  # not ./zero3: a path named like a built-in DeepSpeed config wins over it
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "zcvae", "train",
-          "--backbone", str(workdir / "backbone"), "--output-dir", str(run_dir), *TRAIN, *SCENARIOS[scenario]], workdir)
+          "--backbone", str(backbone), "--output-dir", str(run_dir), *TRAIN, *SCENARIOS[scenario]], workdir)
     exported = export_run(run_dir, out=workdir / f"export-{scenario}")
     for name in ("adapter_model.safetensors", "latent_heads.safetensors"):
         got, want = load_file(str(exported / name)), load_file(str(reference_export / name))

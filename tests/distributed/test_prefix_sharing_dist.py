@@ -44,20 +44,6 @@ NUM_STEPS = 2
 LR, EPS = 10.0, 100.0  # see the module docstring
 
 
-def make_backbone(directory: str) -> None:
-    from transformers import LlamaForCausalLM
-
-    from zcvae.backbone import tiny_llama_config
-    from zcvae.data import build_tokenizer
-
-    tok = build_tokenizer()
-    config = tiny_llama_config(len(tok), hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
-                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tok.save_pretrained(directory)
-
-
 def model_config(latent: str, share: bool):
     from zcvae.model import ModelConfig
 
@@ -180,10 +166,9 @@ else:
     pytestmark = pytest.mark.distributed
 
     @pytest.fixture(scope="module")
-    def launched(tmp_path_factory):
-        backbone = str(tmp_path_factory.mktemp("backbone"))
+    def launched(tmp_path_factory, tiny_backbone):
+        backbone = str(tiny_backbone(num_heads=4))
         out = str(tmp_path_factory.mktemp("prefix_sharing"))
-        make_backbone(backbone)
         env = dict(os.environ)
         env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"})
         env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "src"), env.get("PYTHONPATH", "")])

@@ -42,6 +42,7 @@ from zcvae.templates import EncodedExample, TemplateTokens, collate
 
 TOKENS = TemplateTokens(bos=1, eos=2, pad=0, x_open=3, x_close=4, z_open=5, z_close=6, y_open=7, y_close=8, znull=9)
 VOCAB = 24
+LLAMA_SIZES = dict(hidden_size=16, intermediate_size=32, max_position_embeddings=64)  # the conftest's tiny Llama, smaller
 
 
 def make_examples(num: int, *, seed: int = 0, prefix: str = "ex") -> list[EncodedExample]:
@@ -90,18 +91,9 @@ class LlamaReference(nn.Module):
             return gather_span(token_nll(logits_BTV, batch.labels), batch.labels)
 
 
-def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg).eval()
-
-
 @pytest.fixture(scope="module")
-def llama():
-    return tiny_llama()
+def llama(tiny_llama):
+    return tiny_llama(VOCAB, **LLAMA_SIZES)
 
 
 def fp(examples, backbone="b" * 64, extra=None) -> ReferenceFingerprint:
@@ -196,19 +188,19 @@ def test_corrupt_store_is_named_and_rebuilt(tmp_path):
     assert torch.equal(ReferenceStore.load(path, fingerprint=f.digest).values, store.values)  # rewritten whole
 
 
-def test_store_is_reused_until_backbone_or_data_change(tmp_path, llama):
+def test_store_is_reused_until_backbone_or_data_change(tmp_path, llama, tiny_llama):
     fb = fingerprint_backbone
     examples = make_examples(6, seed=3)
     llama.save_pretrained(tmp_path / "bb1")
     llama.save_pretrained(tmp_path / "bb2")
     assert fb(tmp_path / "bb1" / "model.safetensors") == fb(tmp_path / "bb2" / "model.safetensors")
     assert fb(tmp_path / "bb1") == fb(tmp_path / "bb2")
-    changed = tiny_llama()
+    changed = tiny_llama(VOCAB, **LLAMA_SIZES)
     with torch.no_grad():
         changed.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3
     changed.save_pretrained(tmp_path / "bb3")
     assert fb(tmp_path / "bb3") != fb(tmp_path / "bb1")
-    assert fb(changed) != fb(llama) and fb(llama) == fb(tiny_llama())
+    assert fb(changed) != fb(llama) and fb(llama) == fb(tiny_llama(VOCAB, **LLAMA_SIZES))
     with pytest.raises(ValueError, match="safetensors"):
         fb(tmp_path / "cache-does-not-exist")
 

@@ -1,0 +1,77 @@
+"""Fixtures shared by every test directory: the one tiny backbone builder.
+
+A random tiny Llama, either in memory (``tiny_llama``) or saved with ``save_pretrained`` next to the
+word-level tokenizer, as ``ZCVAE.from_pretrained`` and the CLI read it (``tiny_backbone``). Tests ask
+for the sizes they need; a saved directory is built once per distinct set of arguments and shared for
+the whole session, so tests must treat it as read-only (copy it first to change it).
+
+The end-to-end tests have their own ``tiny_backbone`` (tests/e2e/conftest.py): a backbone *pretrained*
+through the real CLI, which overrides this one in that directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+# The sizes most tests use: 2 layers, 32 wide, full multi-head attention (~0.1M parameters).
+TINY_SIZES = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=128)
+
+
+def _build_tiny_llama(vocab_size: int, *, seed: int, special_ids: dict[str, int | None], **sizes):
+    """A seeded random ``LlamaForCausalLM`` from ``zcvae.backbone.tiny_llama_config`` (one home for the config)."""
+    from transformers import LlamaForCausalLM
+
+    from zcvae.backbone import tiny_llama_config
+
+    unknown = set(sizes) - set(TINY_SIZES)
+    if unknown:
+        raise TypeError(f"unknown tiny-backbone size(s) {sorted(unknown)}; expected some of {sorted(TINY_SIZES)}")
+    config = tiny_llama_config(vocab_size, **{**TINY_SIZES, **sizes}, **special_ids)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Callable[..., torch.nn.Module]:
+    """Factory ``tiny_llama(vocab_size, *, seed=0, **sizes) -> LlamaForCausalLM`` in eval mode, not saved.
+
+    Same seed and sizes give the same weights, bit for bit. ``sizes`` are keyword arguments of
+    ``tiny_llama_config`` (``hidden_size``, ``num_layers``, ``num_heads``, ``intermediate_size``,
+    ``max_position_embeddings``); the defaults are ``TINY_SIZES``.
+    """
+
+    def build(vocab_size: int, *, seed: int = 0, **sizes) -> torch.nn.Module:
+        return _build_tiny_llama(vocab_size, seed=seed, special_ids={}, **sizes).eval()
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_backbone(tmp_path_factory) -> Callable[..., Path]:
+    """Factory ``tiny_backbone(*, seed=0, **sizes) -> Path``: a backbone directory (model + tokenizer).
+
+    The vocabulary is the word-level tokenizer's (``zcvae.data.build_tokenizer``) and the model's
+    bos/eos/pad ids are the tokenizer's. Built once per distinct (seed, sizes) and cached for the
+    session: do not write into it.
+    """
+    from zcvae.data.tokenizer import build_tokenizer
+
+    built: dict[tuple, Path] = {}
+
+    def make(*, seed: int = 0, **sizes) -> Path:
+        key = (seed, *sorted({**TINY_SIZES, **sizes}.items()))
+        if key not in built:
+            tok = build_tokenizer()
+            ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            model = _build_tiny_llama(len(tok), seed=seed, special_ids=ids, **sizes)
+            directory = tmp_path_factory.mktemp("tiny_backbone")
+            model.save_pretrained(directory)
+            tok.save_pretrained(directory)
+            built[key] = directory
+        return built[key]
+
+    return make
