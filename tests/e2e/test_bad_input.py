@@ -194,24 +194,28 @@ def test_05_data_the_tokenizer_does_not_fit_is_refused(tiny_backbone, tmp_path, 
 
 # --------------------------------------------------------------------------- 6, 7, 11. config values
 @pytest.mark.parametrize("value", ["0", "-1"])
-def test_06_kl_cycles_must_be_positive(value, tmp_path, capsys, env):
-    refused(*zcvae(capsys, "train", "--kl-schedule", "cyclical", "--kl-cycles", value, "--output-dir", tmp_path / "r"), "kl_cycles must be >= 1")
+def test_06_kl_cycles_must_be_positive(value, tiny_backbone, tmp_path, capsys, env):
+    refused(*zcvae(capsys, "train", "--backbone", tiny_backbone, *TRAIN, "--kl-schedule", "cyclical", "--kl-cycles", value,
+                   "--output-dir", tmp_path / "r"), "kl_cycles must be >= 1")
     assert not (tmp_path / "r").exists()
 
 
-def test_07_num_latents_with_the_continuous_latent_is_refused(tmp_path, capsys, env):
-    refused(*zcvae(capsys, "train", "--latent-type", "continuous", "--num-latents", "4", "--output-dir", tmp_path / "r"),
+def test_07_num_latents_with_the_continuous_latent_is_refused(tiny_backbone, tmp_path, capsys, env):
+    refused(*zcvae(capsys, "train", "--backbone", tiny_backbone, *TRAIN, "--latent-type", "continuous", "--num-latents", "4",
+                   "--output-dir", tmp_path / "r"),
             "num_latents", "discrete latent only")
 
 
-def test_11_yaml_values_are_type_checked_naming_the_field(tmp_path, capsys, env):
+def test_11_yaml_values_are_type_checked_naming_the_field(tiny_backbone, tmp_path, capsys, env):
     bad = tmp_path / "bad.yaml"
+    train = ("train", "--config", bad, "--backbone", tiny_backbone, "--task", "copy", "--output-dir", tmp_path / "r")
     bad.write_text('max_steps: "two"\n')
-    refused(*zcvae(capsys, "train", "--config", bad, "--output-dir", tmp_path / "r"), "bad.yaml", "max_steps", "int", "'two'")
-    bad.write_text("progress_bar: 1\n")
-    refused(*zcvae(capsys, "train", "--config", bad), "progress_bar", "bool")
-    bad.write_text("lora_target_modules: q_proj\n")
-    refused(*zcvae(capsys, "train", "--config", bad), "lora_target_modules", "list[str]")
+    refused(*zcvae(capsys, *train), "bad.yaml", "max_steps", "int", "'two'")
+    bad.write_text("max_steps: 2\nprogress_bar: 1\n")
+    refused(*zcvae(capsys, *train), "progress_bar", "bool")
+    bad.write_text("max_steps: 2\nlora_target_modules: q_proj\n")
+    refused(*zcvae(capsys, *train), "lora_target_modules", "list[str]")
+    assert not (tmp_path / "r").exists()
     # what YAML gives for the annotated types is accepted: an int for a float, null for an Optional
     from zcvae.config import TrainConfig, load_config_file
 
