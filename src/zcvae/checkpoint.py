@@ -15,8 +15,10 @@ Layout of one checkpoint (``RUN_DIR/checkpoints/step_00000400/``)::
 Atomicity: every rank writes into ``step_N.tmp/``; after a barrier rank 0 checks the files, writes
 ``COMPLETE`` and renames the directory to ``step_N/``. A crash at any point before the rename leaves a
 ``.tmp`` directory that is never loaded (and removed by the next save); the previous checkpoint stays
-loadable. ``resume="auto"`` takes the newest directory with a ``COMPLETE`` marker, and every load checks
-the manifest, so a truncated or corrupted file is reported by name rather than loaded.
+loadable. Every load checks the manifest before any loader runs (every file listed, no file unlisted:
+sizes and sha256), so a truncated, corrupted or added file is reported by name rather than loaded.
+``resume="auto"`` takes the newest complete checkpoint that passes this check, saying why it passed
+over newer ones, and refuses only when none passes.
 
 The checkpoint directory must be on a filesystem every rank sees (as DeepSpeed and DCP assume): rank 0
 writes the manifest of files the other ranks wrote.
@@ -41,6 +43,7 @@ import random
 import re
 import shutil
 import signal
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -155,6 +158,10 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"checkpoint {str(directory)!r} is incomplete: no {COMPLETE} marker") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"checkpoint file {str(marker)!r} is corrupt: {err}") from None
+    # a file the manifest does not list would reach a loader unchecked (DCP's .metadata is unpickled)
+    extra = sorted(set(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()) - set(files) - {COMPLETE})
+    if extra:
+        raise ValueError(f"checkpoint file {str(directory / extra[0])!r} is not in the {COMPLETE} manifest (added after the save?); refusing to load it")
     for rel, expected in sorted(files.items()):
         path = directory / rel
         if not path.is_file():
@@ -365,19 +372,42 @@ class CheckpointManager:
             shutil.rmtree(doomed, ignore_errors=True)
 
     # ---------------------------------------------------------------- load
+    def _newest_loadable(self) -> tuple[Path | None, dict[str, Any] | None]:
+        """(path, meta) of the newest complete checkpoint whose files match its manifest, saying why
+        each newer one was passed over; (None, None) when there is no checkpoint; ValueError when there
+        are checkpoints but none is loadable. Every rank reads the same files, so all agree."""
+        found = checkpoint_dirs(self.directory)
+        reasons = []
+        for path in reversed(found):
+            try:
+                verify_checkpoint(path)
+                meta = read_meta(path)
+            except ValueError as err:
+                reasons.append(str(err))
+                continue
+            if reasons and self.is_main:
+                print(f"[resume] skipped {len(reasons)} newer checkpoint(s): {'; '.join(reasons)}; falling back to {str(path)!r}", file=sys.stderr)
+            return path, meta
+        if found:
+            raise ValueError(f"resume auto: no checkpoint in {str(self.directory)!r} is loadable: {'; '.join(reasons)}")
+        return None, None
+
     def load(self, engine: Any, source: str | os.PathLike, *, config: Any, c_base: Any) -> dict[str, Any]:
         """Restore the engine, this rank's RNG states and the step from ``source``.
 
         ``source``: a checkpoint directory, a run or checkpoints directory (its newest complete
-        checkpoint) or ``"auto"`` (the newest complete one here; a fresh start, step 0, when there is
-        none). Returns ``{"step", "checkpoint", "meta"}``.
+        checkpoint) or ``"auto"`` (the newest one here whose files match its manifest, falling back past
+        corrupt ones; a fresh start, step 0, when there is none). Returns ``{"step", "checkpoint", "meta"}``.
         """
-        path = resolve_checkpoint(source, default_dir=self.directory)
-        if path is None:
-            return {"step": 0, "checkpoint": None, "meta": None}
-        # every rank verifies, so every rank raises the same error rather than one rank hanging
-        verify_checkpoint(path)
-        meta = read_meta(path)
+        if str(source) == "auto":
+            path, meta = self._newest_loadable()
+            if path is None:
+                return {"step": 0, "checkpoint": None, "meta": None}
+        else:
+            path = resolve_checkpoint(source, default_dir=self.directory)
+            # every rank verifies, so every rank raises the same error rather than one rank hanging
+            verify_checkpoint(path)
+            meta = read_meta(path)
         check_compatible(meta, config=_config_dict(config), c_base=_c_base_dict(c_base), world_size=int(engine.world_size), engine=engine, path=path)
         try:
             client_state = engine.load_checkpoint(str(path / ENGINE_DIR))
@@ -414,6 +444,11 @@ def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: di
             f"the objective and its mode-matched c_base would silently change. Resume with "
             f"--{AGGREGATION_MODE_FIELD.replace('_', '-')} {saved_mode} or start a new run."
         )
+    # before c_base: a changed latent changes c_base's fingerprint too, which would blame the backbone or data
+    for name in STRUCTURAL_FIELDS:
+        if name in saved_cfg and name in config and saved_cfg[name] != config[name]:
+            raise ValueError(f"{name} changed: {where} has {saved_cfg[name]!r}, this run {config[name]!r}; the trained parameters do not fit. "
+                             f"Resume with --{name.replace('_', '-')} {saved_cfg[name]} or start a new run.")
     saved_cb = meta.get("c_base")
     if saved_cb and c_base:
         if saved_cb.get("mode") is not None and c_base.get("mode") is not None and saved_cb["mode"] != c_base["mode"]:
@@ -425,9 +460,6 @@ def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: di
                 f"(fingerprint {c_base['fingerprint']}, {c_base.get('source')}); the backbone, the validation data or "
                 f"zfree_reference_scale differ, so the objective would silently change"
             )
-    for name in STRUCTURAL_FIELDS:
-        if name in saved_cfg and name in config and saved_cfg[name] != config[name]:
-            raise ValueError(f"{name} changed: {where} has {saved_cfg[name]!r}, this run {config[name]!r}; the trained parameters do not fit")
     saved_engine, this_engine = meta.get("engine"), _engine_name(config, engine)
     if saved_engine != this_engine:
         raise ValueError(

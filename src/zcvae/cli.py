@@ -58,7 +58,7 @@ def _cmd_train(args) -> int:
     from zcvae.trainer import train
 
     cfg = resolve_train_config(args)
-    train(cfg)
+    train(cfg, overwrite=args.overwrite)
     return 0
 
 
@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="Train a CVAE run.", description="Train a CVAE run. Every flag is a config field.")
     p.add_argument("--config", help="YAML or JSON file of config fields (flags win over it).")
+    # an action on the run directory, not a config field: it is not recorded and does not name the run
+    p.add_argument("--overwrite", action="store_true", help="Delete an earlier run in --output-dir (after saying so) instead of refusing it; see --resume to continue it.")
     add_config_flags(p)
     p.set_defaults(func=_cmd_train)
 

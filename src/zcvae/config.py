@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,7 @@ class TrainConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"{source}: unknown config key(s) {unknown}; see `zcvae train --help`")
+        check_types(cls, values, source=source)
         return cls(**values)
 
     @classmethod
@@ -199,7 +202,7 @@ def validate(cfg: TrainConfig) -> None:
             raise ValueError(f"{f.name} must be finite, got {value!r}")
     positive = ("num_latents", "latent_dim", "num_z_slots", "num_latent_samples", "lora_r", "max_steps",
                 "micro_batch_size", "gradient_accumulation_steps", "num_train_examples", "num_val_examples",
-                "log_every", "keep_last_checkpoints")
+                "log_every", "keep_last_checkpoints", "kl_cycles")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
@@ -211,6 +214,10 @@ def validate(cfg: TrainConfig) -> None:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not any(getattr(cfg, name) > 0 for name in RECONSTRUCTION_WEIGHT_FIELDS):
         raise ValueError("at least one reconstruction weight must be > 0 (e.g. reconstruction_weight)")
+    if cfg.latent_type == "continuous" and cfg.num_latents != TrainConfig.num_latents:
+        # K would be ignored, yet the run name would carry it (K-4): say so instead
+        raise ValueError(f"num_latents (K = {cfg.num_latents}) applies to the discrete latent only; with latent_type continuous "
+                         f"set latent_dim, num_z_slots or num_latent_samples instead, and leave num_latents out")
     if cfg.latent_type == "discrete" and cfg.num_latents < 2:
         # K = 1 is a valid model (no latent information) and is used by the benchmarks
         pass
@@ -231,6 +238,36 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"max_grad_norm must be > 0 or omitted, got {cfg.max_grad_norm}")
     if cfg.max_length < 16:
         raise ValueError(f"max_length must be >= 16, got {cfg.max_length}")
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    """Whether ``value`` (as YAML/JSON gives it) fits the annotation ``tp``: an int fits a float, None an
+    Optional, a list of str a ``list[str]``; a bool is not an int."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in args)
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        return isinstance(value, list) and all(_type_ok(v, args[0]) for v in value)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def check_types(cls, values: dict[str, Any], *, source: str = "config") -> None:
+    """ValueError naming the field when a value's type does not fit the field's annotation
+    (``max_steps: "two"`` in a YAML file would otherwise fail deep inside training)."""
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        tp = hints.get(name)
+        if tp is not None and not _type_ok(value, tp):
+            want = str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            raise ValueError(f"{source}: {name} must be of type {want}, got {value!r} ({type(value).__name__})")
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

@@ -9,6 +9,7 @@ micro-batch m of rank r is its chunk ``m * world_size + r``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,11 @@ class Splits:
 def load_splits(cfg) -> Splits:
     """Train and validation examples for a :class:`~zcvae.config.TrainConfig`."""
     if cfg.train_data is not None:
+        for name in ("train_data", "val_data"):
+            path = getattr(cfg, name)
+            if not os.path.isfile(path):
+                what = "is a directory, not a JSONL file" if os.path.isdir(path) else "does not exist"
+                raise ValueError(f"{name} {path!r} {what}")
         train, val = read_jsonl(cfg.train_data), read_jsonl(cfg.val_data)
         if not train:
             raise ValueError(f"train_data {cfg.train_data} holds no example")

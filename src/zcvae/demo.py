@@ -65,7 +65,7 @@ def run_demo(*, output_dir: str = "runs/demo", quick: bool = False, seeds: int =
             run_dir = out / "runs" / f"{name}_seed-{seed}"
             log(f"[demo] 2/3 run {i + 1}/{len(PILOT)} (seed {seed}): {name}")
             cfg = TrainConfig.from_dict({**base, **overrides, "task": DEFAULT_TASK, "backbone": str(backbone), "seed": seed, "output_dir": str(run_dir), "run_name": f"{name}_seed-{seed}", "progress_bar": not quick})
-            train(cfg, log=log)
+            train(cfg, log=log, overwrite=True)  # the demo owns its run directories: a second demo replaces them
             run_dirs.append(run_dir)
     rows = aggregate_runs([str(d) for d in run_dirs], group_seeds=seeds > 1)
     table = format_table(rows, "markdown")

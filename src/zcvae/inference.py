@@ -375,6 +375,17 @@ heads and their standardisation buffers, soft-prompt projection, added-token row
 """
 
 
+def _check_out_apart(out: Path, sources: dict[str, Path]) -> None:
+    """ValueError when ``out`` is, contains or lies inside one of ``sources``: publishing the export
+    replaces ``out`` whole, which would delete the run or the backbone it reads (whatever --overwrite says)."""
+    target = out.resolve()
+    for name, source in sources.items():
+        source = Path(source).resolve()
+        if target == source or source in target.parents or target in source.parents:
+            how = "is" if target == source else ("lies inside" if source in target.parents else "contains")
+            raise ValueError(f"--out {str(out)!r} {how} the {name} {str(source)!r}: the export would replace it; choose an --out outside it")
+
+
 def _prepare_out(out: Path, *, overwrite: bool) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ValueError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace it")
@@ -415,6 +426,7 @@ def export_run(
     cfg = _train_config(record, run_dir / RUN_CONFIG)
     ckpt = _newest_checkpoint(run_dir, checkpoint)
     backbone = resolve_backbone(cfg, override=backbone, recorded=record.get("backbone"))
+    _check_out_apart(out, {"run directory": run_dir, "checkpoint": ckpt, "backbone directory": Path(backbone)})
     tmp = _prepare_out(out, overwrite=overwrite)
     try:
         model = _build_model(cfg, backbone, trust_remote_code=trust_remote_code, device="cpu")
@@ -536,13 +548,37 @@ def get_adapter_keys(model) -> list[str]:
 
 # --------------------------------------------------------------------------- decoding and encoding
 def _text_ids(model, text: str, *, what: str) -> tuple[int, ...]:
-    ids = tuple(model.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else ()
-    if model.tokens.reserved.intersection(ids):
-        raise ValueError(f"--{what} contains a template marker or latent token: {text!r}")
+    from zcvae.templates import user_text_reserved_ids
+
+    if not text.strip():
+        # training rejects an empty x or y (zcvae.data.jsonl): the model never saw one
+        raise ValueError(f"--{what} must not be empty")
+    ids = tuple(model.tokenizer(text, add_special_tokens=False)["input_ids"])
+    reserved = user_text_reserved_ids(model.tokenizer, model.tokens)
+    hit = next((i for i in ids if i in reserved), None)
+    if hit is not None:
+        raise ValueError(f"--{what} contains the special token {reserved[hit]!r} (id {hit}), which training refuses in user text: {text!r}")
     unk = getattr(model.tokenizer, "unk_token_id", None)
     if unk is not None and unk in ids:
         print(f"warning: --{what} has {ids.count(unk)} word(s) outside the vocabulary", file=sys.stderr)
     return ids
+
+
+def _fit_x(model, x_ids: tuple[int, ...], *, y_len: int) -> tuple[int, ...]:
+    """x under the training length policy (zcvae.templates.encode_examples): truncated from the left so
+    that the z-conditioned sequence with ``y_len`` y tokens fits the run's ``max_length``; says so."""
+    from zcvae.templates import NUM_FRAME_TOKENS
+
+    max_length = int(model.run_record["config"].get("max_length", 64))
+    slots = 1 if model.config.latent_type == "discrete" else model.config.num_z_slots
+    room = max_length - NUM_FRAME_TOKENS - slots - y_len
+    if room < 0:
+        raise ValueError(f"--y has {y_len} tokens and cannot fit in the run's max_length={max_length}")
+    if len(x_ids) > room:
+        print(f"warning: --x has {len(x_ids)} tokens; kept its last {room} to fit the run's max_length={max_length} "
+              f"(x is truncated from the left, as in training)", file=sys.stderr)
+        x_ids = x_ids[len(x_ids) - room:] if room > 0 else ()
+    return x_ids
 
 
 @torch.no_grad()
@@ -609,7 +645,18 @@ def _common_load_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _device(name: str | None) -> str:
-    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"--device {name!r} is not a device (cpu, cuda, cuda:1 ...): {err}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name!r}: this torch has no usable CUDA (torch {torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return name
 
 
 def _run(command: str, fn, argv) -> int:
@@ -659,7 +706,8 @@ def generate_main(argv: list[str] | None = None) -> int:
         max_new = args.max_new_tokens if args.max_new_tokens is not None else int(cfg.get("max_length", 64))
         if max_new < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {max_new}")
-        x_ids = _text_ids(model, args.x, what="x")
+        # room for at least one y token: the longest x a kept training example can have
+        x_ids = _fit_x(model, _text_ids(model, args.x, what="x"), y_len=1)
         generator = torch.Generator().manual_seed(args.seed)
         discrete = model.config.latent_type == "discrete"
         K, D = model.config.num_latents, model.config.latent_dim
@@ -718,8 +766,7 @@ def encode_main(argv: list[str] | None = None) -> int:
         model = load_for_inference(args.path, backbone=args.backbone, checkpoint=args.checkpoint,
                                    trust_remote_code=args.trust_remote_code, device=_device(args.device))
         x_ids, y_ids = _text_ids(model, args.x, what="x"), _text_ids(model, args.y, what="y")
-        if not y_ids:
-            raise ValueError("--y must not be empty")
+        x_ids = _fit_x(model, x_ids, y_len=len(y_ids))
         r = encode_xy(model, x_ids, y_ids)
 
         def vec(t: torch.Tensor) -> str:

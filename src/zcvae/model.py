@@ -261,6 +261,22 @@ def _disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
+def _check_backbone_files(backbone_dir: str) -> None:
+    """ValueError naming the file when the backbone's config.json is not JSON or its safetensors
+    weights are missing (transformers would raise deep inside, or look for other formats)."""
+    import json
+
+    path = os.path.join(backbone_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"backbone file {path!r} is not valid JSON: {err}") from None
+    names = ("model.safetensors", "model.safetensors.index.json")
+    if not any(os.path.isfile(os.path.join(backbone_dir, n)) for n in names):
+        raise ValueError(f"backbone_dir {backbone_dir!r} has no {names[0]} (nor {names[1]}): zcvae loads safetensors weights only")
+
+
 class ZCVAE(nn.Module):
     """A causal LM with LoRA adapters, trainable z rows (discrete) or a soft-prompt projection
     (Gaussian), and router heads. Build it with :meth:`from_pretrained`."""
@@ -318,23 +334,30 @@ class ZCVAE(nn.Module):
             raise ValueError(f"backbone_dir {backbone_dir!r} is not a directory")
         if not os.path.isfile(os.path.join(backbone_dir, "config.json")):
             raise ValueError(f"backbone_dir {backbone_dir!r} has no config.json (not a Hugging Face model directory)")
+        _check_backbone_files(backbone_dir)
 
-        tokenizer = AutoTokenizer.from_pretrained(
-            backbone_dir, local_files_only=True, trust_remote_code=config.trust_remote_code
-        )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                backbone_dir, local_files_only=True, trust_remote_code=config.trust_remote_code
+            )
+        except (OSError, ValueError) as err:
+            raise ValueError(f"backbone_dir {backbone_dir!r}: its tokenizer files could not be read: {err}") from None
         vocab_before = tokenizer.get_vocab()
         num_latent_tokens = config.num_latents if config.latent_type == "discrete" else 0
         tokens = prepare_tokenizer(tokenizer, num_latents=num_latent_tokens)
         added = sorted(i for t, i in tokenizer.get_vocab().items() if t not in vocab_before)
 
         dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
-        model = AutoModelForCausalLM.from_pretrained(
-            backbone_dir,
-            local_files_only=True,
-            use_safetensors=True,
-            trust_remote_code=config.trust_remote_code,
-            dtype=dtype,
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                backbone_dir,
+                local_files_only=True,
+                use_safetensors=True,
+                trust_remote_code=config.trust_remote_code,
+                dtype=dtype,
+            )
+        except Exception as err:  # noqa: BLE001 - safetensors/transformers raise several types for a bad file
+            raise ValueError(f"backbone_dir {backbone_dir!r}: its weights (model.safetensors) could not be loaded: {type(err).__name__}: {err}") from None
         if config.disable_backbone_dropout:
             _disable_dropout(model)
         model.config.use_cache = False

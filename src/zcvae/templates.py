@@ -114,6 +114,15 @@ def template_tokens(tokenizer, *, num_latents: int) -> TemplateTokens:
     )
 
 
+def user_text_reserved_ids(tokenizer, tokens: TemplateTokens) -> dict[int, str]:
+    """{id: token} of every id that user text (x, y) must not produce: the template markers, the
+    latent tokens and the tokenizer's own special tokens (bos, eos, pad ...; ``</s>`` in y would put an
+    eos inside the supervised span). The unknown token is left out: it is counted, not refused."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    ids = set(tokens.reserved) | {tokens.bos, tokens.eos, tokens.pad} | set(getattr(tokenizer, "all_special_ids", ()))
+    return {i: tokenizer.convert_ids_to_tokens(i) for i in sorted(ids) if i is not None and i != unk}
+
+
 @dataclass(frozen=True)
 class EncodedExample:
     id: str
@@ -135,6 +144,8 @@ class EncodeReport:
     num_kept: int = 0
     num_x_truncated: int = 0
     num_unknown_tokens: int = 0
+    num_tokens: int = 0  # x and y tokens of the examples whose unknown tokens were counted
+    unknown_example: str | None = None  # the id of the first example with an unknown token
     skipped: list[str] = field(default_factory=list)
 
     @property
@@ -155,7 +166,7 @@ def encode_examples(
         raise ValueError(f"max_length={max_length} leaves no room for x and y (num_z_slots={num_z_slots})")
     report = EncodeReport()
     out: list[EncodedExample] = []
-    reserved = tokens.reserved
+    reserved = user_text_reserved_ids(tokenizer, tokens)
     unk = getattr(tokenizer, "unk_token_id", None)
     for ex in examples:
         report.num_examples += 1
@@ -164,11 +175,16 @@ def encode_examples(
         if not y_ids:
             report.skipped.append(f"{ex.id}: empty y")
             continue
-        if reserved.intersection(x_ids) or reserved.intersection(y_ids):
-            report.skipped.append(f"{ex.id}: x or y contains a template marker or latent token")
+        hit = next((i for i in (*x_ids, *y_ids) if i in reserved), None)
+        if hit is not None:
+            report.skipped.append(f"{ex.id}: x or y contains the special token {reserved[hit]!r} (id {hit})")
             continue
         if unk is not None:
-            report.num_unknown_tokens += x_ids.count(unk) + y_ids.count(unk)
+            found = x_ids.count(unk) + y_ids.count(unk)
+            report.num_unknown_tokens += found
+            report.num_tokens += len(x_ids) + len(y_ids)
+            if found and report.unknown_example is None:
+                report.unknown_example = ex.id
         room_x = max_length - NUM_FRAME_TOKENS - num_z_slots - len(y_ids)
         if room_x < 0:
             report.skipped.append(

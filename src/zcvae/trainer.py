@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -170,6 +171,60 @@ def truncate_metrics(path: Path, *, after_step: int) -> None:
     os.replace(tmp, path)
 
 
+def _inside(path: Path, directory: Path) -> bool:
+    """Whether ``path`` is ``directory`` or lies inside it (symlinks resolved)."""
+    path, directory = path.resolve(), directory.resolve()
+    return path == directory or directory in path.parents
+
+
+def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, is_main: bool, log=print, keep: dict | None = None) -> None:
+    """Make ``run_dir`` ready for one run, or raise ValueError saying why it is not.
+
+    A non-empty directory holds an earlier run: writing a second run into it mixes metrics.jsonl,
+    overwrites run_config.json and lets keep-last pruning delete the other run's checkpoints, so it
+    is refused unless ``resume`` (continue it) or ``overwrite`` (delete it, after saying so). ``keep``
+    names paths (``{field: path}``) that ``overwrite`` must never delete. Every rank calls this before
+    any rank writes into the directory (rank 0 writes nothing there before the engine's first
+    collective), so every rank sees the same directory and raises the same error.
+    """
+    for parent in (run_dir, *run_dir.parents):
+        if parent.exists() and not parent.is_dir():
+            where = "is an existing file" if parent == run_dir else f"lies under {str(parent)!r}, which is a file"
+            raise ValueError(f"output_dir {str(run_dir)!r} {where}; choose a directory with --output-dir")
+    try:
+        entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    except FileNotFoundError:
+        entries = []  # rank 0 deleted it for --overwrite while another rank looked
+    except OSError as err:
+        raise ValueError(f"output_dir {str(run_dir)!r} cannot be read: {err.strerror}") from None
+    if entries and not resume:
+        if not overwrite:
+            raise ValueError(
+                f"output_dir {str(run_dir)!r} is not empty (it holds {', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''}): "
+                f"pass --resume auto to continue that run, or --overwrite to delete it and start again, "
+                f"or choose another --output-dir"
+            )
+        if not any(name in entries for name in (RUN_CONFIG, METRICS, "checkpoints", "tensorboard")):
+            raise ValueError(f"--overwrite deletes only a zcvae run directory; output_dir {str(run_dir)!r} holds other files "
+                             f"({', '.join(entries[:4])}): choose another --output-dir")
+        for name, path in (keep or {}).items():
+            if path and Path(path).exists() and _inside(Path(path), run_dir):
+                raise ValueError(f"--overwrite would delete {name} {str(path)!r}, which lies inside output_dir {str(run_dir)!r}")
+        if is_main:
+            log(f"[run] --overwrite: deleting the earlier run in {run_dir} ({', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''})")
+            # renamed first, so a crash mid-delete leaves no half-deleted run that looks like a run
+            doomed = run_dir.with_name(f"{run_dir.name}.deleting-{os.getpid()}")
+            os.replace(run_dir, doomed)
+            shutil.rmtree(doomed)
+    if is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"output_dir {str(run_dir)!r} cannot be created: {err.strerror}") from None
+    if run_dir.is_dir() and not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"output_dir {str(run_dir)!r} is not writable")
+
+
 def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -183,8 +238,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: TrainConfig, *, log=print) -> dict[str, float]:
-    """Train one run; returns the final evaluation metrics (on every rank)."""
+def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, float]:
+    """Train one run; returns the final evaluation metrics (on every rank).
+
+    ``overwrite``: delete an earlier run in ``cfg.output_dir`` (after saying so) instead of refusing it.
+    """
     from zcvae.checkpoint import CheckpointManager
     from zcvae.engines import build_engine
     from zcvae.evaluation import evaluate
@@ -204,9 +262,9 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, float]:
     if cfg.run_name is None:
         cfg.run_name = derive_run_name(cfg.to_dict(), TrainConfig().to_dict())
     run_dir = Path(cfg.output_dir)
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
     say = log if is_main else (lambda *a, **k: None)
+    prepare_run_dir(run_dir, resume=cfg.resume is not None, overwrite=overwrite, is_main=is_main, log=say,
+                    keep={"backbone": cfg.backbone, "train_data": cfg.train_data, "val_data": cfg.val_data})
 
     # 2. data and backbone
     splits = load_splits(cfg)
@@ -222,6 +280,12 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, float]:
             say(f"[data] {name}: skipped {report.num_skipped} of {report.num_examples} examples, e.g. {report.skipped[:3]}")
         if report.num_x_truncated:
             say(f"[data] {name}: truncated x of {report.num_x_truncated} examples from the left")
+        if report.num_unknown_tokens:
+            say(f"[data] {name}: {report.num_unknown_tokens} of {report.num_tokens} tokens are unknown to the tokenizer "
+                f"(<unk>), e.g. in example {report.unknown_example!r}")
+            if report.num_unknown_tokens > report.num_tokens / 2:
+                raise ValueError(f"{name} data: {report.num_unknown_tokens} of {report.num_tokens} tokens are unknown (<unk>, e.g. "
+                                 f"example {report.unknown_example!r}): the backbone's tokenizer does not fit the data")
     if not train_enc or not val_enc:
         raise ValueError(f"no usable example left: train {len(train_enc)}, val {len(val_enc)} (see the skip messages above)")
     model.calibrate(collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots))
@@ -246,6 +310,17 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, float]:
     if cfg.resume is not None:
         state = checkpoints.load(engine, cfg.resume, config=cfg, c_base=reference.c_base)
         start_step = state["step"]
+        if start_step > cfg.max_steps:
+            # training nothing and saving the later weights under an earlier step label would corrupt the run
+            raise ValueError(
+                f"resume: checkpoint {state['checkpoint']!r} is at step {start_step}, past max_steps {cfg.max_steps}; "
+                f"resume with --max-steps {start_step} or more, or start a new run in another --output-dir"
+            )
+        if start_step == cfg.max_steps and start_step > 0:
+            from zcvae.inference import _final_metrics
+
+            say(f"[resume] checkpoint {state['checkpoint']!r} is already at max_steps {cfg.max_steps}: the run is complete, nothing written")
+            return _final_metrics(run_dir)[1]
         say(f"[resume] from step {start_step}")
         if is_main:
             truncate_metrics(run_dir / METRICS, after_step=start_step)

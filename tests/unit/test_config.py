@@ -22,7 +22,7 @@ def test_issue_flags_exist_and_set_fields():
         "--reconstruction-loss-token-aggregation-mode", "sum",
         "--token-weighted-reconstruction-weight", "0.5",
         "--normalized-concentration-corrected-token-weighted-reconstruction-weight", "2",
-        "--token-weight-alpha", "0.5", "--latent-type", "continuous", "--num-latents", "4",
+        "--token-weight-alpha", "0.5", "--latent-type", "continuous", "--latent-dim", "4",
         "--kl-weight", "3", "--backbone", "/tmp/b", "--task", "sort", "--output-dir", "o",
         "--max-steps", "7", "--micro-batch-size", "3", "--gradient-accumulation-steps", "2", "--seed", "5",
         "--engine", "fsdp2", "--no-progress-bar", "--lora-target-modules", "q_proj", "v_proj",
@@ -30,7 +30,7 @@ def test_issue_flags_exist_and_set_fields():
     assert cfg.reconstruction_loss_token_aggregation_mode == "sum"
     assert cfg.token_weighted_reconstruction_weight == 0.5
     assert cfg.normalized_concentration_corrected_token_weighted_reconstruction_weight == 2.0
-    assert (cfg.token_weight_alpha, cfg.latent_type, cfg.num_latents, cfg.kl_weight) == (0.5, "continuous", 4, 3.0)
+    assert (cfg.token_weight_alpha, cfg.latent_type, cfg.latent_dim, cfg.kl_weight) == (0.5, "continuous", 4, 3.0)
     assert (cfg.backbone, cfg.task, cfg.output_dir, cfg.max_steps) == ("/tmp/b", "sort", "o", 7)
     assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.seed, cfg.engine) == (3, 2, 5, "fsdp2")
     assert cfg.progress_bar is False and cfg.lora_target_modules == ["q_proj", "v_proj"]

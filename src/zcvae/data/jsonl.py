@@ -63,7 +63,11 @@ def read_jsonl(path: str | os.PathLike) -> list[Example]:
     path = Path(path)
     examples: list[Example] = []
     line_of_id: dict[str, int] = {}
-    for line_number, raw_line in enumerate(path.read_bytes().split(b"\n"), start=1):
+    try:
+        data = path.read_bytes()
+    except OSError as error:  # missing, a directory, unreadable
+        raise ValueError(f"{path}: cannot be read as a JSONL file: {error.strerror}") from None
+    for line_number, raw_line in enumerate(data.split(b"\n"), start=1):
         where = f"{path}:{line_number}"
         try:
             line = raw_line.decode("utf-8")
