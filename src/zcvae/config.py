@@ -40,7 +40,7 @@ class TrainConfig:
     latent_type: str = _f("discrete", "discrete (K learned z tokens, exact expectation) or continuous (Gaussian soft prompt).", choices=("discrete", "continuous"))
     num_latents: int = _f(2, "K, the number of discrete latent values.")
     latent_dim: int = _f(16, "Dimension of the Gaussian latent.")
-    num_z_slots: int = _f(1, "M, soft-prompt embeddings filling the <z> section (Gaussian).")
+    num_z_slots: int = _f(1, "M tokens filling the <z> section: discrete, each latent value owns M learned rows (<z_k_1> .. <z_k_M>); Gaussian, M soft-prompt embeddings.")
     num_latent_samples: int = _f(1, "S, reparameterised posterior samples per example (Gaussian).")
     learned_prior: bool = _f(True, "Gaussian: learned prior p(z|x) instead of a standard normal.")
     lora_r: int = _f(8, "LoRA rank.")
@@ -175,7 +175,8 @@ class TrainConfig:
 
     @property
     def slot_tokens(self) -> int:
-        return 1 if self.latent_type == "discrete" else self.num_z_slots
+        """M, the length of the z section, for both latent types (each discrete value owns M rows)."""
+        return self.num_z_slots
 
 
 RECONSTRUCTION_WEIGHT_FIELDS = (

@@ -10,8 +10,9 @@ Modes
     "encode"     router pass only (posterior/prior, z-free adapted NLL) -> CVAEOutput without branches
     "decode"     next-token logits at the last non-pad position of given rows -> logits_RV
 
-Discrete latent (``latent_type="discrete"``): z is one of K new tokens ``<z_k>`` written into the z
-slot of ``<bos> <x> {x} </x> <z> z </z> <y> {y} </y> <eos>``. One LoRA-adapted pass over the z-free
+Discrete latent (``latent_type="discrete"``): z is one of K values; value k owns M new tokens
+(``<z_k>`` for M = 1, ``<z_k_1> .. <z_k_M>`` for M > 1, see ``templates.latent_token_texts``) written
+into the M z slots of ``<bos> <x> {x} </x> <z> z_k^1 .. z_k^M </z> <y> {y} </y> <eos>``. One LoRA-adapted pass over the z-free
 template gives the prior p(z|x) from the final hidden state at ``</x>`` (causal: it has seen x only)
 and the posterior q(z|x,y) from the state at ``</y>``; the K branches then run as one batched forward
 of B*K rows (optionally chunked), and the trainer takes the exact expectation over q.
@@ -90,7 +91,8 @@ class ModelConfig:
     latent_dim: int = 16
     """D, the Gaussian z dimension."""
     num_z_slots: int = 1
-    """M soft-prompt embeddings in the z section (Gaussian); the discrete latent uses exactly 1."""
+    """M tokens in the z section: discrete, each latent value owns M learned rows (a multi-token
+    z-prefix, seed 002's remedy for dilution); Gaussian, M soft-prompt embeddings."""
     num_latent_samples: int = 1
     """S reparameterised samples per example (Gaussian)."""
     learned_prior: bool = True
@@ -131,8 +133,6 @@ class ModelConfig:
             raise ValueError(f"latent_type must be one of {LATENT_TYPES}, got {self.latent_type!r}")
         for name in ("num_latents", "latent_dim", "num_z_slots", "num_latent_samples", "lora_r"):
             positive_int(name)
-        if self.latent_type == "discrete" and self.num_z_slots != 1:
-            raise ValueError(f"num_z_slots must be 1 for the discrete latent, got {self.num_z_slots}")
         if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
             raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
         if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
@@ -294,7 +294,7 @@ class ZCVAE(nn.Module):
         """Load a local Hugging Face directory (model + tokenizer, safetensors only) and wrap it.
 
         Steps, in this order because each depends on the previous one:
-        1. tokenizer from the same directory; ``prepare_tokenizer`` adds the markers and K latents;
+        1. tokenizer from the same directory; ``prepare_tokenizer`` adds the markers and K*M latent tokens;
         2. the backbone (``local_files_only``, ``use_safetensors``); its dropout is turned off;
         3. embeddings resized *before* wrapping (ZeRO-3 copies rows only inside a gather), the new
            rows initialised here (z rows from ``<znull>`` + noise, see ``_init_new_rows``);
@@ -324,7 +324,7 @@ class ZCVAE(nn.Module):
         )
         vocab_before = tokenizer.get_vocab()
         num_latent_tokens = config.num_latents if config.latent_type == "discrete" else 0
-        tokens = prepare_tokenizer(tokenizer, num_latents=num_latent_tokens)
+        tokens = prepare_tokenizer(tokenizer, num_latents=num_latent_tokens, num_z_slots=config.num_z_slots)
         added = sorted(i for t, i in tokenizer.get_vocab().items() if t not in vocab_before)
 
         dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
@@ -715,14 +715,21 @@ class ZCVAE(nn.Module):
         R = latent_index_R.shape[0]
         reps = R // batch.z_input_ids.shape[0]
         ids_RS, mask_RS, labels_RS, slot_R = self._branch_rows(batch, reps=reps, prefix=prefix)
-        latent_ids = torch.tensor(self.tokens.latents, device=ids_RS.device)
-        rows = torch.arange(R, device=ids_RS.device)
-        ids_RS[rows, slot_R] = latent_ids[latent_index_R.to(ids_RS.device)]
+        ids_RS = self._write_latent(ids_RS, slot_R, latent_index_R)
         parts = []
         for c in _chunks(R, self.config.branch_chunk_size):
             logits = self._branch_lm(prefix, c, reps, input_ids=ids_RS[c], attention_mask=mask_RS[c]).logits  # (r, S, V)
             parts.append(gather_span(token_nll(logits, labels_RS[c]), labels_RS[c], n_span=n_span)[0])
         return torch.cat(parts, 0)  # (R, N)
+
+    def _write_latent(self, ids_RS: torch.Tensor, slot_start_R: torch.Tensor, latent_index_R: torch.Tensor) -> torch.Tensor:
+        """A copy of ``ids_RS`` with latent value latent_index_R[r]'s M tokens in row r's slots
+        slot_start_R[r] .. + M - 1."""
+        device = ids_RS.device
+        slots_KM = torch.tensor(self.tokens.latent_slots, device=device)  # (K, M)
+        M = slots_KM.shape[1]
+        pos_RM = slot_start_R.to(device)[:, None] + torch.arange(M, device=device)
+        return ids_RS.scatter(1, pos_RM, slots_KM[latent_index_R.to(device)])
 
     def _slot_embeds(self, ids_RS: torch.Tensor, slot_start_R: torch.Tensor, z_RD: torch.Tensor) -> torch.Tensor:
         """Input embeddings with the M slot embeddings offset by the projected z -> (R, S, H)."""
@@ -770,9 +777,7 @@ class ZCVAE(nn.Module):
         if latent_index is not None:
             if self.config.latent_type != "discrete":
                 raise ValueError("latent_index is for the discrete latent; pass z for the Gaussian one")
-            latent_ids = torch.tensor(self.tokens.latents, device=input_ids.device)
-            input_ids = input_ids.clone()
-            input_ids[torch.arange(R, device=input_ids.device), slot_start.to(input_ids.device)] = latent_ids[latent_index.to(input_ids.device)]
+            input_ids = self._write_latent(input_ids, slot_start, latent_index)
         positions = torch.arange(S, device=input_ids.device)
         last_R = (attention_mask.long() * positions).argmax(1)  # last position with mask 1
         with torch.no_grad():

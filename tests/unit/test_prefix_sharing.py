@@ -127,6 +127,13 @@ def test_discrete_shared_prefix_equals_full_path(backbones, arch, num_latents):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_discrete_multi_slot_shared_prefix_equals_full_path(backbones, arch):
+    """--num-z-slots 2 for the discrete latent: the z section <z> z_k^1 z_k^2 </z> after the cache."""
+    model, batch = build(backbones, arch, num_latents=3, num_z_slots=2)
+    assert_same(model, batch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("num_samples", [1, 3])
 def test_gaussian_shared_prefix_equals_full_path(backbones, arch, num_samples):
     model, batch = build(backbones, arch, latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=num_samples)
