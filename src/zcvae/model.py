@@ -50,7 +50,7 @@ from zcvae.latent import (
     gaussian_kl,
     inter_latent_divergence,
 )
-from zcvae.losses import gather_span, token_nll
+from zcvae.losses import gather_span, supervised_token_nll, token_nll
 from zcvae.templates import IGNORE_INDEX, ZNULL, Batch, TemplateTokens, prepare_tokenizer
 
 __all__ = ["CVAEOutput", "LATENT_TYPES", "MODES", "ModelConfig", "ZCVAE", "default_lora_targets"]
@@ -58,6 +58,8 @@ __all__ = ["CVAEOutput", "LATENT_TYPES", "MODES", "ModelConfig", "ZCVAE", "defau
 LATENT_TYPES = ("discrete", "continuous")
 MODES = ("reference", "train", "encode", "decode")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+# float32 logits per chunk of the supervised-token NLL (64 MiB): 341 tokens at V = 49k, 128 at V = 128k
+LOGIT_CHUNK_ELEMENTS = 1 << 24
 
 # LoRA targets per architecture: the attention projections (the prototype's choice for Llama). GPT-2's
 # attention and MLP both have a `c_proj`, so its default is a regex (peft full-matches a str target).
@@ -381,6 +383,7 @@ class ZCVAE(nn.Module):
         # train mode, so hand back a module in train mode like any freshly built nn.Module (the
         # evaluation switches to eval mode itself).
         out.train()
+        out._decoder()  # the one-time check, before an engine shards the weights
         if calibration is not None:
             out.calibrate(calibration)
         return out
@@ -475,23 +478,59 @@ class ZCVAE(nn.Module):
             return self._reference(batch, n_span=n_span)
         return self._cvae(batch, n_span=n_span, branches=mode == "train", **kw)
 
-    def _lm(self, *, input_ids=None, inputs_embeds=None, attention_mask, hidden: bool = False):
-        return self.peft_model(
+    def _lm(self, *, input_ids=None, inputs_embeds=None, attention_mask, hidden: bool = False, logits: bool = False, use_cache: bool = False, **extra):
+        """One forward of the adapted LM. Unless ``logits`` is asked for, only its decoder runs (when
+        ``_decoder()`` allows it) and the output has ``last_hidden_state`` instead of ``logits``: the
+        head is applied later, at the supervised positions only (``_span_nll``)."""
+        decoder = None if logits else self._decoder()
+        module = self.peft_model if decoder is None else decoder
+        return module(
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            use_cache=False,
+            use_cache=use_cache,
             output_hidden_states=hidden,
             return_dict=True,
+            **extra,
         )
+
+    def _span_nll(self, out, labels_RS: torch.Tensor, *, n_span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token NLL of the supervised span of an ``_lm`` output -> (nll_RN, mask_RN), float32."""
+        if getattr(out, "logits", None) is not None:  # the full-logits fallback
+            return gather_span(token_nll(out.logits, labels_RS), labels_RS, n_span=n_span)
+        head = self.peft_model.get_output_embeddings()
+        chunk = max(1, LOGIT_CHUNK_ELEMENTS // int(head.weight.shape[0]) if hasattr(head, "weight") else LOGIT_CHUNK_ELEMENTS // len(self.tokenizer))
+        return supervised_token_nll(out.last_hidden_state, labels_RS, head, n_span=n_span, chunk_tokens=chunk)
+
+    def _decoder(self) -> nn.Module | None:
+        """The backbone's decoder (``base_model``: the model without its LM head) when the LM's logits
+        are exactly ``head(decoder(...).last_hidden_state)``, else None (logits come from the full LM).
+
+        Checked once: no logit soft-capping in the config, and the head on the decoder's output equals
+        the LM's logits on a 3-token input. Models that scale or cap their logits after the head keep
+        the full-logits path."""
+        if "_decoder_ok" not in self.__dict__:
+            hf = self.peft_model.get_base_model()
+            decoder, head = getattr(hf, "base_model", hf), hf.get_output_embeddings()
+            ok = decoder is not hf and head is not None and getattr(hf.config, "final_logit_softcapping", None) is None
+            # the decoder must take the cache and position arguments that the shared prefix passes the LM
+            ok = ok and (self._forward_params() & {"cache", "past_key_values", "position_ids"}) <= set(inspect.signature(decoder.forward).parameters)
+            if ok:
+                device = next(self.peft_model.parameters()).device
+                ids = torch.tensor([[self.tokens.bos, self.tokens.x_open, self.tokens.x_close]], device=device)
+                with torch.no_grad():
+                    full = self.peft_model(input_ids=ids, use_cache=False, return_dict=True).logits
+                    mine = head(decoder(input_ids=ids, use_cache=False, return_dict=True).last_hidden_state)
+                ok = full.shape == mine.shape and torch.allclose(mine.float(), full.float(), rtol=1e-6, atol=1e-6)
+            self.__dict__["_decoder_ok"] = ok
+        return self.peft_model.get_base_model().base_model if self.__dict__["_decoder_ok"] else None
 
     def _reference(self, batch: Batch, *, n_span: int) -> tuple[torch.Tensor, torch.Tensor]:
         # no_grad, never inference_mode: inference tensors cannot mix with a sharded training graph.
         # Adapters off also disables the trainable z rows; harmless, the z-free template has no z token.
         with torch.no_grad(), adapters_disabled(self.peft_model):
             out = self._lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-            nll_BT = token_nll(out.logits, batch.labels)  # (B, T-1)
-            return gather_span(nll_BT, batch.labels, n_span=n_span)  # (B, N), (B, N)
+            return self._span_nll(out, batch.labels, n_span=n_span)  # (B, N), (B, N)
 
     def _router_states(self, batch: Batch, *, n_span: int):
         """One LoRA-adapted z-free pass -> (h_prior_BH, h_posterior_BH, zfree_nll_BN, mask_BN)."""
@@ -500,8 +539,7 @@ class ZCVAE(nn.Module):
         rows = torch.arange(h_BTH.shape[0], device=h_BTH.device)
         h_prior = h_BTH[rows, batch.x_close_pos.to(h_BTH.device)]  # (B, H) sees x only
         h_post = h_BTH[rows, batch.y_close_pos.to(h_BTH.device)]  # (B, H) sees x and y
-        nll_BT = token_nll(out.logits, batch.labels)  # (B, T-1)
-        zfree_nll, mask = gather_span(nll_BT, batch.labels, n_span=n_span)
+        zfree_nll, mask = self._span_nll(out, batch.labels, n_span=n_span)
         return h_prior, h_post, zfree_nll, mask
 
     def _cvae(self, batch: Batch, *, n_span: int, branches: bool, latent_noise=None, generator=None, **kw) -> CVAEOutput:
@@ -633,15 +671,14 @@ class ZCVAE(nn.Module):
         ids_BP = batch.input_ids[:, :P].masked_fill(mask_BP == 0, self.tokens.pad)
         cache = DynamicCache()  # no config: plain layers that keep every column
         kwargs = {self._cache_kwarg(): cache}
-        if "logits_to_keep" in self._forward_params():
+        if self._decoder() is None and "logits_to_keep" in self._forward_params():
             kwargs["logits_to_keep"] = 1  # the prefix supervises nothing: skip its (B, P, V) logits
-        out = self.peft_model(
+        out = self._lm(
             input_ids=ids_BP,
             attention_mask=mask_BP,
             position_ids=cols_P[None].expand(ids_BP.shape[0], P),
             use_cache=True,
-            output_hidden_states=True,
-            return_dict=True,
+            hidden=True,
             **kwargs,
         )
         kv = [(layer.keys, layer.values) for layer in cache.layers]
@@ -673,14 +710,13 @@ class ZCVAE(nn.Module):
         mask_RP, start_R = repeat(prefix.mask_BP), repeat(prefix.length_B)
         W = attention_mask.shape[1]
         position_RW = start_R[:, None] + torch.arange(W, device=start_R.device)
-        return self.peft_model(
+        return self._lm(
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
             attention_mask=torch.cat([mask_RP, attention_mask.to(mask_RP.dtype)], dim=1),
             position_ids=position_RW,
             use_cache=True,
-            output_hidden_states=hidden,
-            return_dict=True,
+            hidden=hidden,
             **{self._cache_kwarg(): DynamicCache(ddp_cache_data=kv)},
         )
 
@@ -691,7 +727,7 @@ class ZCVAE(nn.Module):
         h_BWH = out.hidden_states[-1]
         rows = torch.arange(h_BWH.shape[0], device=h_BWH.device)
         h_post = h_BWH[rows, batch.y_close_pos.to(h_BWH.device) - prefix.length_B]  # (B, H) sees x and y
-        zfree_nll, mask = gather_span(token_nll(out.logits, labels_BW), labels_BW, n_span=n_span)
+        zfree_nll, mask = self._span_nll(out, labels_BW, n_span=n_span)
         return prefix.h_prior_BH, h_post, zfree_nll, mask
 
     def _branch_rows(self, batch: Batch, *, reps: int, prefix: _SharedPrefix | None):
@@ -718,8 +754,8 @@ class ZCVAE(nn.Module):
         ids_RS = self._write_latent(ids_RS, slot_R, latent_index_R)
         parts = []
         for c in _chunks(R, self.config.branch_chunk_size):
-            logits = self._branch_lm(prefix, c, reps, input_ids=ids_RS[c], attention_mask=mask_RS[c]).logits  # (r, S, V)
-            parts.append(gather_span(token_nll(logits, labels_RS[c]), labels_RS[c], n_span=n_span)[0])
+            out = self._branch_lm(prefix, c, reps, input_ids=ids_RS[c], attention_mask=mask_RS[c])
+            parts.append(self._span_nll(out, labels_RS[c], n_span=n_span)[0])
         return torch.cat(parts, 0)  # (R, N)
 
     def _write_latent(self, ids_RS: torch.Tensor, slot_start_R: torch.Tensor, latent_index_R: torch.Tensor) -> torch.Tensor:
@@ -747,8 +783,8 @@ class ZCVAE(nn.Module):
         parts = []
         for c in _chunks(R, self.config.branch_chunk_size):
             embeds = self._slot_embeds(ids_RS[c], slot_R[c], z_RD[c])
-            logits = self._branch_lm(prefix, c, reps, inputs_embeds=embeds, attention_mask=mask_RS[c]).logits
-            parts.append(gather_span(token_nll(logits, labels_RS[c]), labels_RS[c], n_span=n_span)[0])
+            out = self._branch_lm(prefix, c, reps, inputs_embeds=embeds, attention_mask=mask_RS[c])
+            parts.append(self._span_nll(out, labels_RS[c], n_span=n_span)[0])
         return torch.cat(parts, 0)  # (R, N)
 
     def _decode(
@@ -785,9 +821,9 @@ class ZCVAE(nn.Module):
             for c in _chunks(R, self.config.branch_chunk_size):
                 if z is not None:
                     embeds = self._slot_embeds(input_ids[c], slot_start[c], z[c].to(input_ids.device))
-                    logits = self._lm(inputs_embeds=embeds, attention_mask=attention_mask[c]).logits
+                    logits = self._lm(inputs_embeds=embeds, attention_mask=attention_mask[c], logits=True).logits
                 else:
-                    logits = self._lm(input_ids=input_ids[c], attention_mask=attention_mask[c]).logits
+                    logits = self._lm(input_ids=input_ids[c], attention_mask=attention_mask[c], logits=True).logits
                 rows = torch.arange(logits.shape[0], device=logits.device)
                 parts.append(logits[rows, last_R[c]].float())  # (r, V)
         return torch.cat(parts, 0)

@@ -152,7 +152,8 @@ def test_positions_match_the_full_rows(backbones):
     prefix hidden state at </x> equals the full row's."""
     model, batch = build(backbones, "llama", num_latents=2)
     calls = []
-    base = model.peft_model.get_base_model()
+    base = model._decoder()  # the passes run the decoder; the head is applied at supervised positions
+    assert base is not None
     hook = base.register_forward_pre_hook(lambda m, args, kw: calls.append(kw.get("position_ids")), with_kwargs=True)
     try:
         with torch.no_grad():
