@@ -105,7 +105,10 @@ class ModelConfig:
     lora_target_modules: list[str] | None = None
     """None = per-architecture default (see ``default_lora_targets``)."""
     branch_chunk_size: int | None = None
-    """Rows of the B*K branch forward run at once (bounds activation memory); None = all."""
+    """Rows of the B*K branch forward run at once. With more than one chunk, each chunk is
+    checkpointed as a whole (rebuilt in the backward, exact), so peak branch memory grows with this,
+    not with K. None = all rows at once, or B rows per chunk when gradient checkpointing is on
+    (``branch_chunk_rows``)."""
     z_init_noise: float = 0.1
     """z rows start as the <znull> row (or the mean embedding) plus noise of this fraction of its norm."""
     gradient_checkpointing: bool = False
@@ -120,10 +123,11 @@ class ModelConfig:
     """Train mode: run ``<bos> <x> {x} </x>`` once per example and reuse its keys and values (gradients
     flow through them) for the router's z-free suffix and every branch, instead of re-running x in
     each of the 1 + K rows. Exact: losses and gradients equal the full-sequence path to float noise
-    (tests/unit/test_prefix_sharing.py). Falls back to the full path, with a one-time warning naming
-    the reason, under gradient checkpointing (Hugging Face drops the cache inside checkpointed
-    layers), for sliding-window attention shorter than the batch, and for an architecture whose
-    forward takes no cache or position ids. False = always the full path."""
+    (tests/unit/test_prefix_sharing.py), with gradient checkpointing too (a replay-safe cache, see
+    ``_replay_safe_cache``). Falls back to the full path, with a one-time warning naming the reason,
+    for sliding-window attention shorter than the batch, for checkpointing done outside transformers'
+    GradientCheckpointingLayer, and for an architecture whose forward takes no cache or position
+    ids. False = always the full path."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -228,6 +232,87 @@ def adapters_disabled(peft_model: nn.Module):
 def _chunks(num_rows: int, chunk: int | None) -> list[slice]:
     step = num_rows if not chunk else chunk
     return [slice(i, min(i + step, num_rows)) for i in range(0, num_rows, max(step, 1))]
+
+
+def _replay_safe_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """A Hugging Face cache whose ``update`` never changes what a later ``update`` returns, so that a
+    checkpointed layer replayed in the backward sees exactly what its forward saw.
+
+    ``kv`` None (the prefix pass): each layer records the keys/values it is given and returns them
+    unchanged (no past; a replay records equal tensors again). ``kv`` given (a suffix pass): each
+    layer returns ``cat(prefix, new)`` and stores nothing. A plain DynamicCache appends, so a replay
+    would attend over the prefix twice; that is why transformers drops writable caches inside
+    checkpointed layers.
+    """
+    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+    class ReplaySafeLayer(DynamicLayer):
+        def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+            super().__init__()
+            self.record = keys is None
+            if keys is not None:
+                self.keys, self.values, self.device, self.is_initialized = keys, values, keys.device, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if self.record:
+                self.keys, self.values, self.device, self.is_initialized = key_states, value_states, key_states.device, True
+                return key_states, value_states
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    class ReplaySafeCache(DynamicCache):
+        def __init__(self) -> None:  # DynamicCache's own __init__ would build appending layers
+            if kv is None:
+                Cache.__init__(self, layer_class_to_replicate=ReplaySafeLayer)
+            else:
+                Cache.__init__(self, layers=[ReplaySafeLayer(k, v) for k, v in kv])
+
+    return ReplaySafeCache()
+
+
+@contextlib.contextmanager
+def _cache_through_checkpointing(hf: nn.Module):
+    """Let the replay-safe cache reach checkpointed layers during one shared-prefix forward.
+
+    transformers' ``GradientCheckpointingLayer`` drops a cache argument unless the layer sets
+    ``_can_checkpoint_with_cache`` (meant for layers that only read the cache, which is what a
+    replay-safe cache makes every layer); some models (GPT-2) also drop it in the decoder when their
+    own ``gradient_checkpointing`` flag is on, although the layers do the checkpointing. Both are
+    switched for the duration of the call only, so other callers (generate, a plain DynamicCache)
+    keep transformers' protection. The layers themselves still checkpoint.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    changed = []
+    for m in hf.modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            if m.gradient_checkpointing and not m._can_checkpoint_with_cache:
+                changed.append((m, "_can_checkpoint_with_cache"))
+                m._can_checkpoint_with_cache = True
+        elif getattr(m, "gradient_checkpointing", False) is True:
+            changed.append((m, "gradient_checkpointing"))
+            m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m, name in changed:
+            if name == "_can_checkpoint_with_cache":
+                del m._can_checkpoint_with_cache  # back to the class attribute
+            else:
+                m.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
+def _layer_checkpointing_off(hf: nn.Module):
+    """Switch Hugging Face's per-layer checkpointing off for one branch chunk that is itself
+    checkpointed (its recompute runs inside this context too, so both see the same layers)."""
+    changed = [m for m in hf.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in changed:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in changed:
+            m.gradient_checkpointing = True
 
 
 @dataclass
@@ -498,9 +583,9 @@ class ZCVAE(nn.Module):
         """Token NLL of the supervised span of an ``_lm`` output -> (nll_RN, mask_RN), float32."""
         if getattr(out, "logits", None) is not None:  # the full-logits fallback
             return gather_span(token_nll(out.logits, labels_RS), labels_RS, n_span=n_span)
-        head = self.peft_model.get_output_embeddings()
-        chunk = max(1, LOGIT_CHUNK_ELEMENTS // int(head.weight.shape[0]) if hasattr(head, "weight") else LOGIT_CHUNK_ELEMENTS // len(self.tokenizer))
-        return supervised_token_nll(out.last_hidden_state, labels_RS, head, n_span=n_span, chunk_tokens=chunk)
+        # V from the tokenizer: under ZeRO-3 the head's weight reads as an empty partition outside its forward
+        chunk = max(1, LOGIT_CHUNK_ELEMENTS // len(self.tokenizer))
+        return supervised_token_nll(out.last_hidden_state, labels_RS, self.peft_model.get_output_embeddings(), n_span=n_span, chunk_tokens=chunk)
 
     def _decoder(self) -> nn.Module | None:
         """The backbone's decoder (``base_model``: the model without its LM head) when the LM's logits
@@ -617,7 +702,10 @@ class ZCVAE(nn.Module):
     # Right padding leaves holes in the cache (columns P_i .. P-1) that the mask removes; left
     # padding would work too, but its pad queries would have no key to attend to (fully masked
     # softmax rows, NaN in some kernels), which right padding never produces. Gradients reach the
-    # prefix through the cached tensors (DynamicCache concatenates, it does not detach).
+    # prefix through the cached tensors (the cache concatenates, it does not detach). Under
+    # non-reentrant activation checkpointing the prefix keys/values are ordinary graph nodes made
+    # inside a checkpointed layer: the backward replays that layer once, and the replay-safe cache
+    # makes each replay return what its forward returned.
 
     def prefix_sharing_blocker(self, batch: Batch | None = None) -> str | None:
         """Why a train forward (of ``batch``) would *not* share the x prefix, or None when it would."""
@@ -627,12 +715,12 @@ class ZCVAE(nn.Module):
         params = self._forward_params()
         if "position_ids" not in params or not ({"cache", "past_key_values"} & params):
             return f"{type(hf).__name__}.forward takes no position_ids or no cache"
-        if torch.is_grad_enabled() and any(
-            getattr(m, "gradient_checkpointing", False) is True and m.training for m in hf.modules()
-        ):
-            # transformers drops the cache inside a checkpointed layer (a replay would write it twice);
-            # the full path costs 1 + K passes over x instead of 1, and checkpointing bounds their memory.
-            return "gradient checkpointing is on (Hugging Face drops the KV cache inside checkpointed layers)"
+        if torch.is_grad_enabled() and self._layer_checkpointing():
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            if not any(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing for m in hf.modules()):
+                # the replay-safe cache reaches checkpointed layers through GradientCheckpointingLayer only
+                return "gradient checkpointing outside transformers' GradientCheckpointingLayer (the KV cache would be dropped)"
         cfg = hf.config
         layer_types = getattr(cfg, "layer_types", None) or ()
         window = getattr(cfg, "sliding_window", None)
@@ -661,26 +749,25 @@ class ZCVAE(nn.Module):
 
     def _run_prefix(self, batch: Batch) -> _SharedPrefix:
         """One LoRA-adapted forward of ``<bos> <x> {x} </x>`` per example (right-padded)."""
-        from transformers import DynamicCache
-
         device = batch.input_ids.device
         length_B = batch.x_close_pos.to(device) + 1  # P_i: bos <x> x </x>
         P = int(length_B.max())
         cols_P = torch.arange(P, device=device)
         mask_BP = (cols_P[None] < length_B[:, None]).long()
         ids_BP = batch.input_ids[:, :P].masked_fill(mask_BP == 0, self.tokens.pad)
-        cache = DynamicCache()  # no config: plain layers that keep every column
+        cache = _replay_safe_cache()  # records every column of every layer
         kwargs = {self._cache_kwarg(): cache}
         if self._decoder() is None and "logits_to_keep" in self._forward_params():
             kwargs["logits_to_keep"] = 1  # the prefix supervises nothing: skip its (B, P, V) logits
-        out = self._lm(
-            input_ids=ids_BP,
-            attention_mask=mask_BP,
-            position_ids=cols_P[None].expand(ids_BP.shape[0], P),
-            use_cache=True,
-            hidden=True,
-            **kwargs,
-        )
+        with _cache_through_checkpointing(self.peft_model.get_base_model()):
+            out = self._lm(
+                input_ids=ids_BP,
+                attention_mask=mask_BP,
+                position_ids=cols_P[None].expand(ids_BP.shape[0], P),
+                use_cache=True,
+                hidden=True,
+                **kwargs,
+            )
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         h_BPH = out.hidden_states[-1]
         rows = torch.arange(h_BPH.shape[0], device=device)
@@ -691,8 +778,6 @@ class ZCVAE(nn.Module):
     ):
         """A suffix forward on the cached prefix. Its rows are ``rows`` of the layout r = i*reps + k
         (all B*reps when None); ``attention_mask`` (R, W) covers the suffix only."""
-        from transformers import DynamicCache
-
         B = prefix.mask_BP.shape[0]
         lo, hi = (0, B * reps) if rows is None else (rows.start, rows.stop)
         e0, e1 = lo // reps, (hi - 1) // reps + 1  # the examples these rows belong to
@@ -710,15 +795,16 @@ class ZCVAE(nn.Module):
         mask_RP, start_R = repeat(prefix.mask_BP), repeat(prefix.length_B)
         W = attention_mask.shape[1]
         position_RW = start_R[:, None] + torch.arange(W, device=start_R.device)
-        return self._lm(
-            input_ids=input_ids,
-            inputs_embeds=inputs_embeds,
-            attention_mask=torch.cat([mask_RP, attention_mask.to(mask_RP.dtype)], dim=1),
-            position_ids=position_RW,
-            use_cache=True,
-            hidden=hidden,
-            **{self._cache_kwarg(): DynamicCache(ddp_cache_data=kv)},
-        )
+        with _cache_through_checkpointing(self.peft_model.get_base_model()):
+            return self._lm(
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                attention_mask=torch.cat([mask_RP, attention_mask.to(mask_RP.dtype)], dim=1),
+                position_ids=position_RW,
+                use_cache=True,
+                hidden=hidden,
+                **{self._cache_kwarg(): _replay_safe_cache(kv)},
+            )
 
     def _router_states_shared(self, batch: Batch, prefix: _SharedPrefix, *, n_span: int):
         """``_router_states`` on the shared prefix: the z-free suffix ``<y> y </y> <eos>`` only."""
@@ -752,11 +838,12 @@ class ZCVAE(nn.Module):
         reps = R // batch.z_input_ids.shape[0]
         ids_RS, mask_RS, labels_RS, slot_R = self._branch_rows(batch, reps=reps, prefix=prefix)
         ids_RS = self._write_latent(ids_RS, slot_R, latent_index_R)
-        parts = []
-        for c in _chunks(R, self.config.branch_chunk_size):
+
+        def chunk_nll(c: slice) -> torch.Tensor:
             out = self._branch_lm(prefix, c, reps, input_ids=ids_RS[c], attention_mask=mask_RS[c])
-            parts.append(self._span_nll(out, labels_RS[c], n_span=n_span)[0])
-        return torch.cat(parts, 0)  # (R, N)
+            return self._span_nll(out, labels_RS[c], n_span=n_span)[0]
+
+        return self._run_branch_chunks(R, len(batch), chunk_nll)  # (R, N)
 
     def _write_latent(self, ids_RS: torch.Tensor, slot_start_R: torch.Tensor, latent_index_R: torch.Tensor) -> torch.Tensor:
         """A copy of ``ids_RS`` with latent value latent_index_R[r]'s M tokens in row r's slots
@@ -780,12 +867,53 @@ class ZCVAE(nn.Module):
         R = z_RD.shape[0]
         reps = R // batch.z_input_ids.shape[0]
         ids_RS, mask_RS, labels_RS, slot_R = self._branch_rows(batch, reps=reps, prefix=prefix)
-        parts = []
-        for c in _chunks(R, self.config.branch_chunk_size):
+
+        def chunk_nll(c: slice) -> torch.Tensor:
             embeds = self._slot_embeds(ids_RS[c], slot_R[c], z_RD[c])
             out = self._branch_lm(prefix, c, reps, inputs_embeds=embeds, attention_mask=mask_RS[c])
-            parts.append(self._span_nll(out, labels_RS[c], n_span=n_span)[0])
-        return torch.cat(parts, 0)  # (R, N)
+            return self._span_nll(out, labels_RS[c], n_span=n_span)[0]
+
+        return self._run_branch_chunks(R, len(batch), chunk_nll)  # (R, N)
+
+    def branch_chunk_rows(self, num_examples: int) -> int | None:
+        """Rows per branch chunk of a train forward of ``num_examples`` examples (None = all at once):
+        ``branch_chunk_size``, or, when it is None and activation checkpointing is on, the number of
+        examples (each chunk then is a plain-LoRA-sized forward, so a checkpointing user's branch
+        memory does not grow with K)."""
+        if self.config.branch_chunk_size is not None:
+            return self.config.branch_chunk_size
+        return num_examples if self._layer_checkpointing() else None
+
+    def _layer_checkpointing(self) -> bool:
+        return any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in self.peft_model.get_base_model().modules())
+
+    def _run_branch_chunks(self, num_rows: int, num_examples: int, chunk_nll) -> torch.Tensor:
+        """``cat([chunk_nll(c) for c in chunks])`` -> (R, N), with bounded activation memory.
+
+        With gradients on and more than one chunk, each chunk runs under non-reentrant activation
+        checkpointing as a whole: its forward keeps nothing but its inputs and its (r, N) NLL, and the
+        backward re-runs it and back-propagates through it one chunk at a time, so peak branch memory
+        grows with the chunk size, not with K. Exact (a deterministic recompute; dropout RNG states
+        are replayed): every gradient, through q, the KL and the inter-latent divergence too, equals
+        the unchunked path (tests/unit/test_branch_chunks.py). Cost: one more forward of the branch
+        rows, except under layer checkpointing, which is switched off inside a chunk (the chunk is
+        the checkpoint) so the total stays one forward + one recompute + one backward.
+        """
+        slices = _chunks(num_rows, self.branch_chunk_rows(num_examples))
+        if not (torch.is_grad_enabled() and len(slices) > 1):
+            return torch.cat([chunk_nll(c) for c in slices], 0)
+        from torch.utils.checkpoint import checkpoint
+
+        hf = self.peft_model.get_base_model()
+
+        def isolated(c: slice) -> torch.Tensor:
+            with _layer_checkpointing_off(hf):
+                return chunk_nll(c)
+
+        # No metadata check of the recomputed saved tensors: under ZeRO-3 a saved parameter reads as its
+        # empty partition between its module's forward and backward hooks (its value is gathered
+        # again before use, as in any ZeRO-3 backward); equality is what the tests check.
+        return torch.cat([checkpoint(isolated, c, use_reentrant=False, determinism_check="none") for c in slices], 0)
 
     def _decode(
         self,
