@@ -42,17 +42,17 @@ class TrainConfig:
     latent_type: str = _f("discrete", "discrete (K learned z tokens, exact expectation) or continuous (Gaussian soft prompt).", choices=("discrete", "continuous"))
     num_latents: int = _f(2, "K, the number of discrete latent values.")
     latent_dim: int = _f(16, "Dimension of the Gaussian latent.")
-    num_z_slots: int = _f(1, "M, soft-prompt embeddings filling the <z> section (Gaussian).")
+    num_z_slots: int = _f(1, "M tokens filling the <z> section: discrete, each latent value owns M learned rows (<z_k_1> .. <z_k_M>); Gaussian, M soft-prompt embeddings.")
     num_latent_samples: int = _f(1, "S, reparameterised posterior samples per example (Gaussian).")
     learned_prior: bool = _f(True, "Gaussian: learned prior p(z|x) instead of a standard normal.")
     lora_r: int = _f(8, "LoRA rank.")
     lora_alpha: int = _f(16, "LoRA alpha.")
     lora_dropout: float = _f(0.0, "LoRA dropout.")
     lora_target_modules: list[str] | None = _f(None, "Module names that get LoRA adapters (per-architecture default when omitted).")
-    branch_chunk_size: int | None = _f(None, "Rows of the B*K branch forward per chunk, bounding activation memory (all at once when omitted).")
+    branch_chunk_size: int | None = _f(None, "Rows of the B*K branch forward per chunk. Each chunk is rebuilt in the backward (exact), so peak branch memory grows with it, not with K; costs one more branch forward unless --gradient-checkpointing is on. Default: all rows at once, or micro-batch-size rows (K chunks) with --gradient-checkpointing.")
     z_init_noise: float = _f(0.1, "z rows start as the <znull> row plus this times the row norm of noise.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass.")
-    share_x_prefix: bool = _f(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact; falls back with a reason where unsupported).")
+    share_x_prefix: bool = _f(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact, also under gradient checkpointing; falls back with a reason where unsupported).")
     # ---- reconstruction (seed 003, 001)
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Per-example token aggregation of every reconstruction term: mean or sum (then an example mean).", choices=("mean", "sum"))
     reconstruction_weight: float = _f(1.0, "Weight of reconstruction_loss (raw).")
@@ -178,7 +178,8 @@ class TrainConfig:
 
     @property
     def slot_tokens(self) -> int:
-        return 1 if self.latent_type == "discrete" else self.num_z_slots
+        """M, the length of the z section, for both latent types (each discrete value owns M rows)."""
+        return self.num_z_slots
 
 
 RECONSTRUCTION_WEIGHT_FIELDS = (

@@ -97,6 +97,7 @@ __all__ = [
     "inverse_surprisal_weights",
     "reconstruction_terms",
     "reconstruction_weights",
+    "supervised_token_nll",
     "surprisal_share_weights",
     "token_nll",
     "weighted_aggregate",
@@ -287,6 +288,61 @@ def token_nll(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, *, ignore_index
         reduction="none",
     )
     return nll_flat.view(B, T)[:, :-1]  # (B, T-1)
+
+
+def supervised_token_nll(
+    hidden_BTH: torch.Tensor,
+    labels_BT: torch.Tensor,
+    head,
+    *,
+    n_span: Optional[int] = None,
+    chunk_tokens: Optional[int] = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather_span(token_nll(head(hidden_BTH), labels_BT), labels_BT, n_span=N)`` without the
+    (B, T, V) logits -> (span_BN, mask_BN), nats per token.
+
+    ``hidden_BTH`` are the final hidden states (the LM head's input) and ``head`` maps (n, H) to
+    (n, V) logits. Only the positions that predict a supervised label are read (the left-aligned span,
+    as in ``gather_span``), flattened to the n supervised tokens of the batch, and scored
+    ``chunk_tokens`` at a time (all at once when None). With more than one chunk and gradients on,
+    each chunk runs under non-reentrant activation checkpointing: its (chunk, V) float32 logits are
+    freed after the forward and recomputed in the backward (one more head matmul per chunk), so no
+    (n, V) tensor is kept between the forward and the backward, where a plain cross-entropy keeps its
+    log-probabilities. Equals the full-logits path to float noise (tests/unit/test_chunked_nll.py).
+    """
+    if hidden_BTH.dim() != 3 or labels_BT.shape != hidden_BTH.shape[:2]:
+        raise ValueError(f"hidden_BTH must be [B, T, H] and labels_BT [B, T], got {tuple(hidden_BTH.shape)} and {tuple(labels_BT.shape)}")
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
+    B, T, _ = hidden_BTH.shape
+    if T < 2:
+        N = 0 if n_span is None else n_span
+        return hidden_BTH.new_zeros((B, N), dtype=torch.float32), torch.zeros((B, N), dtype=torch.bool, device=hidden_BTH.device)
+    # position t predicts labels[:, t + 1] (the Hugging Face shift, as in token_nll)
+    h_BNH, mask_BN = gather_span(hidden_BTH[:, :-1], labels_BT, n_span=n_span, ignore_index=ignore_index)
+    target_BN, _ = gather_span(labels_BT[:, 1:], labels_BT, n_span=mask_BN.shape[1], ignore_index=ignore_index)
+    h_nH, target_n = h_BNH[mask_BN], target_BN[mask_BN].long()  # (n, H), (n,)
+    n = target_n.shape[0]
+    step = n if chunk_tokens is None else chunk_tokens
+    checkpointed = torch.is_grad_enabled() and n > step
+
+    def chunk_nll(h_cH: torch.Tensor, target_c: torch.Tensor) -> torch.Tensor:
+        logits_cV = head(h_cH)
+        return F.cross_entropy(logits_cV.to(_compute_dtype(logits_cV.dtype)), target_c, reduction="none")  # (c,)
+
+    parts = []
+    for lo in range(0, n, max(step, 1)):
+        h_cH, target_c = h_nH[lo : lo + step], target_n[lo : lo + step]
+        if checkpointed:
+            from torch.utils.checkpoint import checkpoint
+
+            parts.append(checkpoint(chunk_nll, h_cH, target_c, use_reentrant=False))
+        else:
+            parts.append(chunk_nll(h_cH, target_c))
+    nll_n = torch.cat(parts) if parts else hidden_BTH.new_zeros((0,), dtype=torch.float32)
+    span_BN = nll_n.new_zeros(mask_BN.shape).masked_scatter(mask_BN, nll_n)
+    return span_BN, mask_BN
 
 
 def gather_span(

@@ -10,11 +10,14 @@ Modes
     "encode"     router pass only (posterior/prior, z-free adapted NLL) -> CVAEOutput without branches
     "decode"     next-token logits at the last non-pad position of given rows -> logits_RV
 
-Discrete latent (``latent_type="discrete"``): z is one of K new tokens ``<z_k>`` written into the z
-slot of ``<bos> <x> {x} </x> <z> z </z> <y> {y} </y> <eos>``. One LoRA-adapted pass over the z-free
+Discrete latent (``latent_type="discrete"``): z is one of K values; value k owns M new tokens
+(``<z_k>`` for M = 1, ``<z_k_1> .. <z_k_M>`` for M > 1, see ``templates.latent_token_texts``) written
+into the M z slots of ``<bos> <x> {x} </x> <z> z_k^1 .. z_k^M </z> <y> {y} </y> <eos>``. One LoRA-adapted pass over the z-free
 template gives the prior p(z|x) from the final hidden state at ``</x>`` (causal: it has seen x only)
 and the posterior q(z|x,y) from the state at ``</y>``; the K branches then run as one batched forward
-of B*K rows (optionally chunked), and the trainer takes the exact expectation over q.
+of B*K rows (optionally in chunks, each rebuilt in the backward so branch memory does not grow with K),
+and the trainer takes the exact expectation over q. Every pass runs the decoder only; the LM head is
+applied at the supervised positions, in chunks (``losses.supervised_token_nll``).
 
 Gaussian latent (``latent_type="continuous"``): q(z|x,y) = N(mu, diag e^logvar) from the ``</y>``
 state, p(z|x) learned from ``</x>`` (or N(0, I)); S reparameterised samples are projected to M
@@ -49,7 +52,7 @@ from zcvae.latent import (
     gaussian_kl,
     inter_latent_divergence,
 )
-from zcvae.losses import gather_span, token_nll
+from zcvae.losses import gather_span, supervised_token_nll, token_nll
 from zcvae.templates import IGNORE_INDEX, ZNULL, Batch, TemplateTokens, prepare_tokenizer
 
 __all__ = ["CVAEOutput", "LATENT_TYPES", "MODES", "ModelConfig", "ZCVAE", "default_lora_targets"]
@@ -57,6 +60,8 @@ __all__ = ["CVAEOutput", "LATENT_TYPES", "MODES", "ModelConfig", "ZCVAE", "defau
 LATENT_TYPES = ("discrete", "continuous")
 MODES = ("reference", "train", "encode", "decode")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+# float32 logits per chunk of the supervised-token NLL (64 MiB): 341 tokens at V = 49k, 128 at V = 128k
+LOGIT_CHUNK_ELEMENTS = 1 << 24
 
 # LoRA targets per architecture: the attention projections (the prototype's choice for Llama). GPT-2's
 # attention and MLP both have a `c_proj`, so its default is a regex (peft full-matches a str target).
@@ -90,7 +95,8 @@ class ModelConfig:
     latent_dim: int = 16
     """D, the Gaussian z dimension."""
     num_z_slots: int = 1
-    """M soft-prompt embeddings in the z section (Gaussian); the discrete latent uses exactly 1."""
+    """M tokens in the z section: discrete, each latent value owns M learned rows (a multi-token
+    z-prefix, seed 002's remedy for dilution); Gaussian, M soft-prompt embeddings."""
     num_latent_samples: int = 1
     """S reparameterised samples per example (Gaussian)."""
     learned_prior: bool = True
@@ -101,7 +107,10 @@ class ModelConfig:
     lora_target_modules: list[str] | None = None
     """None = per-architecture default (see ``default_lora_targets``)."""
     branch_chunk_size: int | None = None
-    """Rows of the B*K branch forward run at once (bounds activation memory); None = all."""
+    """Rows of the B*K branch forward run at once. With more than one chunk, each chunk is
+    checkpointed as a whole (rebuilt in the backward, exact), so peak branch memory grows with this,
+    not with K. None = all rows at once, or B rows per chunk when gradient checkpointing is on
+    (``branch_chunk_rows``)."""
     z_init_noise: float = 0.1
     """z rows start as the <znull> row (or the mean embedding) plus noise of this fraction of its norm."""
     gradient_checkpointing: bool = False
@@ -116,10 +125,11 @@ class ModelConfig:
     """Train mode: run ``<bos> <x> {x} </x>`` once per example and reuse its keys and values (gradients
     flow through them) for the router's z-free suffix and every branch, instead of re-running x in
     each of the 1 + K rows. Exact: losses and gradients equal the full-sequence path to float noise
-    (tests/unit/test_prefix_sharing.py). Falls back to the full path, with a one-time warning naming
-    the reason, under gradient checkpointing (Hugging Face drops the cache inside checkpointed
-    layers), for sliding-window attention shorter than the batch, and for an architecture whose
-    forward takes no cache or position ids. False = always the full path."""
+    (tests/unit/test_prefix_sharing.py), with gradient checkpointing too (a replay-safe cache, see
+    ``_replay_safe_cache``). Falls back to the full path, with a one-time warning naming the reason,
+    for sliding-window attention shorter than the batch, for checkpointing done outside transformers'
+    GradientCheckpointingLayer, and for an architecture whose forward takes no cache or position
+    ids. False = always the full path."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -131,8 +141,6 @@ class ModelConfig:
             raise ValueError(f"latent_type must be one of {LATENT_TYPES}, got {self.latent_type!r}")
         for name in ("num_latents", "latent_dim", "num_z_slots", "num_latent_samples", "lora_r"):
             positive_int(name)
-        if self.latent_type == "discrete" and self.num_z_slots != 1:
-            raise ValueError(f"num_z_slots must be 1 for the discrete latent, got {self.num_z_slots}")
         if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
             raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
         if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
@@ -228,6 +236,87 @@ def _chunks(num_rows: int, chunk: int | None) -> list[slice]:
     return [slice(i, min(i + step, num_rows)) for i in range(0, num_rows, max(step, 1))]
 
 
+def _replay_safe_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """A Hugging Face cache whose ``update`` never changes what a later ``update`` returns, so that a
+    checkpointed layer replayed in the backward sees exactly what its forward saw.
+
+    ``kv`` None (the prefix pass): each layer records the keys/values it is given and returns them
+    unchanged (no past; a replay records equal tensors again). ``kv`` given (a suffix pass): each
+    layer returns ``cat(prefix, new)`` and stores nothing. A plain DynamicCache appends, so a replay
+    would attend over the prefix twice; that is why transformers drops writable caches inside
+    checkpointed layers.
+    """
+    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+    class ReplaySafeLayer(DynamicLayer):
+        def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+            super().__init__()
+            self.record = keys is None
+            if keys is not None:
+                self.keys, self.values, self.device, self.is_initialized = keys, values, keys.device, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if self.record:
+                self.keys, self.values, self.device, self.is_initialized = key_states, value_states, key_states.device, True
+                return key_states, value_states
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    class ReplaySafeCache(DynamicCache):
+        def __init__(self) -> None:  # DynamicCache's own __init__ would build appending layers
+            if kv is None:
+                Cache.__init__(self, layer_class_to_replicate=ReplaySafeLayer)
+            else:
+                Cache.__init__(self, layers=[ReplaySafeLayer(k, v) for k, v in kv])
+
+    return ReplaySafeCache()
+
+
+@contextlib.contextmanager
+def _cache_through_checkpointing(hf: nn.Module):
+    """Let the replay-safe cache reach checkpointed layers during one shared-prefix forward.
+
+    transformers' ``GradientCheckpointingLayer`` drops a cache argument unless the layer sets
+    ``_can_checkpoint_with_cache`` (meant for layers that only read the cache, which is what a
+    replay-safe cache makes every layer); some models (GPT-2) also drop it in the decoder when their
+    own ``gradient_checkpointing`` flag is on, although the layers do the checkpointing. Both are
+    switched for the duration of the call only, so other callers (generate, a plain DynamicCache)
+    keep transformers' protection. The layers themselves still checkpoint.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    changed = []
+    for m in hf.modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            if m.gradient_checkpointing and not m._can_checkpoint_with_cache:
+                changed.append((m, "_can_checkpoint_with_cache"))
+                m._can_checkpoint_with_cache = True
+        elif getattr(m, "gradient_checkpointing", False) is True:
+            changed.append((m, "gradient_checkpointing"))
+            m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m, name in changed:
+            if name == "_can_checkpoint_with_cache":
+                del m._can_checkpoint_with_cache  # back to the class attribute
+            else:
+                m.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
+def _layer_checkpointing_off(hf: nn.Module):
+    """Switch Hugging Face's per-layer checkpointing off for one branch chunk that is itself
+    checkpointed (its recompute runs inside this context too, so both see the same layers)."""
+    changed = [m for m in hf.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in changed:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in changed:
+            m.gradient_checkpointing = True
+
+
 @dataclass
 class _SharedPrefix:
     """``<bos> <x> {x} </x>`` of every example after one forward, right-padded to P columns."""
@@ -310,7 +399,7 @@ class ZCVAE(nn.Module):
         """Load a local Hugging Face directory (model + tokenizer, safetensors only) and wrap it.
 
         Steps, in this order because each depends on the previous one:
-        1. tokenizer from the same directory; ``prepare_tokenizer`` adds the markers and K latents;
+        1. tokenizer from the same directory; ``prepare_tokenizer`` adds the markers and K*M latent tokens;
         2. the backbone (``local_files_only``, ``use_safetensors``); its dropout is turned off;
         3. embeddings resized *before* wrapping (ZeRO-3 copies rows only inside a gather), the new
            rows initialised here (z rows from ``<znull>`` + noise, see ``_init_new_rows``);
@@ -344,7 +433,7 @@ class ZCVAE(nn.Module):
             raise ValueError(f"backbone_dir {backbone_dir!r}: its tokenizer files could not be read: {err}") from None
         vocab_before = tokenizer.get_vocab()
         num_latent_tokens = config.num_latents if config.latent_type == "discrete" else 0
-        tokens = prepare_tokenizer(tokenizer, num_latents=num_latent_tokens)
+        tokens = prepare_tokenizer(tokenizer, num_latents=num_latent_tokens, num_z_slots=config.num_z_slots)
         added = sorted(i for t, i in tokenizer.get_vocab().items() if t not in vocab_before)
 
         dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
@@ -404,6 +493,7 @@ class ZCVAE(nn.Module):
         # train mode, so hand back a module in train mode like any freshly built nn.Module (the
         # evaluation switches to eval mode itself).
         out.train()
+        out._decoder()  # the one-time check, before an engine shards the weights
         if calibration is not None:
             out.calibrate(calibration)
         return out
@@ -498,23 +588,59 @@ class ZCVAE(nn.Module):
             return self._reference(batch, n_span=n_span)
         return self._cvae(batch, n_span=n_span, branches=mode == "train", **kw)
 
-    def _lm(self, *, input_ids=None, inputs_embeds=None, attention_mask, hidden: bool = False):
-        return self.peft_model(
+    def _lm(self, *, input_ids=None, inputs_embeds=None, attention_mask, hidden: bool = False, logits: bool = False, use_cache: bool = False, **extra):
+        """One forward of the adapted LM. Unless ``logits`` is asked for, only its decoder runs (when
+        ``_decoder()`` allows it) and the output has ``last_hidden_state`` instead of ``logits``: the
+        head is applied later, at the supervised positions only (``_span_nll``)."""
+        decoder = None if logits else self._decoder()
+        module = self.peft_model if decoder is None else decoder
+        return module(
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            use_cache=False,
+            use_cache=use_cache,
             output_hidden_states=hidden,
             return_dict=True,
+            **extra,
         )
+
+    def _span_nll(self, out, labels_RS: torch.Tensor, *, n_span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token NLL of the supervised span of an ``_lm`` output -> (nll_RN, mask_RN), float32."""
+        if getattr(out, "logits", None) is not None:  # the full-logits fallback
+            return gather_span(token_nll(out.logits, labels_RS), labels_RS, n_span=n_span)
+        # V from the tokenizer: under ZeRO-3 the head's weight reads as an empty partition outside its forward
+        chunk = max(1, LOGIT_CHUNK_ELEMENTS // len(self.tokenizer))
+        return supervised_token_nll(out.last_hidden_state, labels_RS, self.peft_model.get_output_embeddings(), n_span=n_span, chunk_tokens=chunk)
+
+    def _decoder(self) -> nn.Module | None:
+        """The backbone's decoder (``base_model``: the model without its LM head) when the LM's logits
+        are exactly ``head(decoder(...).last_hidden_state)``, else None (logits come from the full LM).
+
+        Checked once: no logit soft-capping in the config, and the head on the decoder's output equals
+        the LM's logits on a 3-token input. Models that scale or cap their logits after the head keep
+        the full-logits path."""
+        if "_decoder_ok" not in self.__dict__:
+            hf = self.peft_model.get_base_model()
+            decoder, head = getattr(hf, "base_model", hf), hf.get_output_embeddings()
+            ok = decoder is not hf and head is not None and getattr(hf.config, "final_logit_softcapping", None) is None
+            # the decoder must take the cache and position arguments that the shared prefix passes the LM
+            ok = ok and (self._forward_params() & {"cache", "past_key_values", "position_ids"}) <= set(inspect.signature(decoder.forward).parameters)
+            if ok:
+                device = next(self.peft_model.parameters()).device
+                ids = torch.tensor([[self.tokens.bos, self.tokens.x_open, self.tokens.x_close]], device=device)
+                with torch.no_grad():
+                    full = self.peft_model(input_ids=ids, use_cache=False, return_dict=True).logits
+                    mine = head(decoder(input_ids=ids, use_cache=False, return_dict=True).last_hidden_state)
+                ok = full.shape == mine.shape and torch.allclose(mine.float(), full.float(), rtol=1e-6, atol=1e-6)
+            self.__dict__["_decoder_ok"] = ok
+        return self.peft_model.get_base_model().base_model if self.__dict__["_decoder_ok"] else None
 
     def _reference(self, batch: Batch, *, n_span: int) -> tuple[torch.Tensor, torch.Tensor]:
         # no_grad, never inference_mode: inference tensors cannot mix with a sharded training graph.
         # Adapters off also disables the trainable z rows; harmless, the z-free template has no z token.
         with torch.no_grad(), adapters_disabled(self.peft_model):
             out = self._lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-            nll_BT = token_nll(out.logits, batch.labels)  # (B, T-1)
-            return gather_span(nll_BT, batch.labels, n_span=n_span)  # (B, N), (B, N)
+            return self._span_nll(out, batch.labels, n_span=n_span)  # (B, N), (B, N)
 
     def _router_states(self, batch: Batch, *, n_span: int):
         """One LoRA-adapted z-free pass -> (h_prior_BH, h_posterior_BH, zfree_nll_BN, mask_BN)."""
@@ -523,8 +649,7 @@ class ZCVAE(nn.Module):
         rows = torch.arange(h_BTH.shape[0], device=h_BTH.device)
         h_prior = h_BTH[rows, batch.x_close_pos.to(h_BTH.device)]  # (B, H) sees x only
         h_post = h_BTH[rows, batch.y_close_pos.to(h_BTH.device)]  # (B, H) sees x and y
-        nll_BT = token_nll(out.logits, batch.labels)  # (B, T-1)
-        zfree_nll, mask = gather_span(nll_BT, batch.labels, n_span=n_span)
+        zfree_nll, mask = self._span_nll(out, batch.labels, n_span=n_span)
         return h_prior, h_post, zfree_nll, mask
 
     def _cvae(self, batch: Batch, *, n_span: int, branches: bool, latent_noise=None, generator=None, **kw) -> CVAEOutput:
@@ -602,7 +727,10 @@ class ZCVAE(nn.Module):
     # Right padding leaves holes in the cache (columns P_i .. P-1) that the mask removes; left
     # padding would work too, but its pad queries would have no key to attend to (fully masked
     # softmax rows, NaN in some kernels), which right padding never produces. Gradients reach the
-    # prefix through the cached tensors (DynamicCache concatenates, it does not detach).
+    # prefix through the cached tensors (the cache concatenates, it does not detach). Under
+    # non-reentrant activation checkpointing the prefix keys/values are ordinary graph nodes made
+    # inside a checkpointed layer: the backward replays that layer once, and the replay-safe cache
+    # makes each replay return what its forward returned.
 
     def prefix_sharing_blocker(self, batch: Batch | None = None) -> str | None:
         """Why a train forward (of ``batch``) would *not* share the x prefix, or None when it would."""
@@ -612,12 +740,12 @@ class ZCVAE(nn.Module):
         params = self._forward_params()
         if "position_ids" not in params or not ({"cache", "past_key_values"} & params):
             return f"{type(hf).__name__}.forward takes no position_ids or no cache"
-        if torch.is_grad_enabled() and any(
-            getattr(m, "gradient_checkpointing", False) is True and m.training for m in hf.modules()
-        ):
-            # transformers drops the cache inside a checkpointed layer (a replay would write it twice);
-            # the full path costs 1 + K passes over x instead of 1, and checkpointing bounds their memory.
-            return "gradient checkpointing is on (Hugging Face drops the KV cache inside checkpointed layers)"
+        if torch.is_grad_enabled() and self._layer_checkpointing():
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            if not any(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing for m in hf.modules()):
+                # the replay-safe cache reaches checkpointed layers through GradientCheckpointingLayer only
+                return "gradient checkpointing outside transformers' GradientCheckpointingLayer (the KV cache would be dropped)"
         cfg = hf.config
         layer_types = getattr(cfg, "layer_types", None) or ()
         window = getattr(cfg, "sliding_window", None)
@@ -646,27 +774,25 @@ class ZCVAE(nn.Module):
 
     def _run_prefix(self, batch: Batch) -> _SharedPrefix:
         """One LoRA-adapted forward of ``<bos> <x> {x} </x>`` per example (right-padded)."""
-        from transformers import DynamicCache
-
         device = batch.input_ids.device
         length_B = batch.x_close_pos.to(device) + 1  # P_i: bos <x> x </x>
         P = int(length_B.max())
         cols_P = torch.arange(P, device=device)
         mask_BP = (cols_P[None] < length_B[:, None]).long()
         ids_BP = batch.input_ids[:, :P].masked_fill(mask_BP == 0, self.tokens.pad)
-        cache = DynamicCache()  # no config: plain layers that keep every column
+        cache = _replay_safe_cache()  # records every column of every layer
         kwargs = {self._cache_kwarg(): cache}
-        if "logits_to_keep" in self._forward_params():
+        if self._decoder() is None and "logits_to_keep" in self._forward_params():
             kwargs["logits_to_keep"] = 1  # the prefix supervises nothing: skip its (B, P, V) logits
-        out = self.peft_model(
-            input_ids=ids_BP,
-            attention_mask=mask_BP,
-            position_ids=cols_P[None].expand(ids_BP.shape[0], P),
-            use_cache=True,
-            output_hidden_states=True,
-            return_dict=True,
-            **kwargs,
-        )
+        with _cache_through_checkpointing(self.peft_model.get_base_model()):
+            out = self._lm(
+                input_ids=ids_BP,
+                attention_mask=mask_BP,
+                position_ids=cols_P[None].expand(ids_BP.shape[0], P),
+                use_cache=True,
+                hidden=True,
+                **kwargs,
+            )
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         h_BPH = out.hidden_states[-1]
         rows = torch.arange(h_BPH.shape[0], device=device)
@@ -677,8 +803,6 @@ class ZCVAE(nn.Module):
     ):
         """A suffix forward on the cached prefix. Its rows are ``rows`` of the layout r = i*reps + k
         (all B*reps when None); ``attention_mask`` (R, W) covers the suffix only."""
-        from transformers import DynamicCache
-
         B = prefix.mask_BP.shape[0]
         lo, hi = (0, B * reps) if rows is None else (rows.start, rows.stop)
         e0, e1 = lo // reps, (hi - 1) // reps + 1  # the examples these rows belong to
@@ -696,16 +820,16 @@ class ZCVAE(nn.Module):
         mask_RP, start_R = repeat(prefix.mask_BP), repeat(prefix.length_B)
         W = attention_mask.shape[1]
         position_RW = start_R[:, None] + torch.arange(W, device=start_R.device)
-        return self.peft_model(
-            input_ids=input_ids,
-            inputs_embeds=inputs_embeds,
-            attention_mask=torch.cat([mask_RP, attention_mask.to(mask_RP.dtype)], dim=1),
-            position_ids=position_RW,
-            use_cache=True,
-            output_hidden_states=hidden,
-            return_dict=True,
-            **{self._cache_kwarg(): DynamicCache(ddp_cache_data=kv)},
-        )
+        with _cache_through_checkpointing(self.peft_model.get_base_model()):
+            return self._lm(
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                attention_mask=torch.cat([mask_RP, attention_mask.to(mask_RP.dtype)], dim=1),
+                position_ids=position_RW,
+                use_cache=True,
+                hidden=hidden,
+                **{self._cache_kwarg(): _replay_safe_cache(kv)},
+            )
 
     def _router_states_shared(self, batch: Batch, prefix: _SharedPrefix, *, n_span: int):
         """``_router_states`` on the shared prefix: the z-free suffix ``<y> y </y> <eos>`` only."""
@@ -714,7 +838,7 @@ class ZCVAE(nn.Module):
         h_BWH = out.hidden_states[-1]
         rows = torch.arange(h_BWH.shape[0], device=h_BWH.device)
         h_post = h_BWH[rows, batch.y_close_pos.to(h_BWH.device) - prefix.length_B]  # (B, H) sees x and y
-        zfree_nll, mask = gather_span(token_nll(out.logits, labels_BW), labels_BW, n_span=n_span)
+        zfree_nll, mask = self._span_nll(out, labels_BW, n_span=n_span)
         return prefix.h_prior_BH, h_post, zfree_nll, mask
 
     def _branch_rows(self, batch: Batch, *, reps: int, prefix: _SharedPrefix | None):
@@ -738,14 +862,22 @@ class ZCVAE(nn.Module):
         R = latent_index_R.shape[0]
         reps = R // batch.z_input_ids.shape[0]
         ids_RS, mask_RS, labels_RS, slot_R = self._branch_rows(batch, reps=reps, prefix=prefix)
-        latent_ids = torch.tensor(self.tokens.latents, device=ids_RS.device)
-        rows = torch.arange(R, device=ids_RS.device)
-        ids_RS[rows, slot_R] = latent_ids[latent_index_R.to(ids_RS.device)]
-        parts = []
-        for c in _chunks(R, self.config.branch_chunk_size):
-            logits = self._branch_lm(prefix, c, reps, input_ids=ids_RS[c], attention_mask=mask_RS[c]).logits  # (r, S, V)
-            parts.append(gather_span(token_nll(logits, labels_RS[c]), labels_RS[c], n_span=n_span)[0])
-        return torch.cat(parts, 0)  # (R, N)
+        ids_RS = self._write_latent(ids_RS, slot_R, latent_index_R)
+
+        def chunk_nll(c: slice) -> torch.Tensor:
+            out = self._branch_lm(prefix, c, reps, input_ids=ids_RS[c], attention_mask=mask_RS[c])
+            return self._span_nll(out, labels_RS[c], n_span=n_span)[0]
+
+        return self._run_branch_chunks(R, len(batch), chunk_nll)  # (R, N)
+
+    def _write_latent(self, ids_RS: torch.Tensor, slot_start_R: torch.Tensor, latent_index_R: torch.Tensor) -> torch.Tensor:
+        """A copy of ``ids_RS`` with latent value latent_index_R[r]'s M tokens in row r's slots
+        slot_start_R[r] .. + M - 1."""
+        device = ids_RS.device
+        slots_KM = torch.tensor(self.tokens.latent_slots, device=device)  # (K, M)
+        M = slots_KM.shape[1]
+        pos_RM = slot_start_R.to(device)[:, None] + torch.arange(M, device=device)
+        return ids_RS.scatter(1, pos_RM, slots_KM[latent_index_R.to(device)])
 
     def _slot_embeds(self, ids_RS: torch.Tensor, slot_start_R: torch.Tensor, z_RD: torch.Tensor) -> torch.Tensor:
         """Input embeddings with the M slot embeddings offset by the projected z -> (R, S, H)."""
@@ -760,12 +892,53 @@ class ZCVAE(nn.Module):
         R = z_RD.shape[0]
         reps = R // batch.z_input_ids.shape[0]
         ids_RS, mask_RS, labels_RS, slot_R = self._branch_rows(batch, reps=reps, prefix=prefix)
-        parts = []
-        for c in _chunks(R, self.config.branch_chunk_size):
+
+        def chunk_nll(c: slice) -> torch.Tensor:
             embeds = self._slot_embeds(ids_RS[c], slot_R[c], z_RD[c])
-            logits = self._branch_lm(prefix, c, reps, inputs_embeds=embeds, attention_mask=mask_RS[c]).logits
-            parts.append(gather_span(token_nll(logits, labels_RS[c]), labels_RS[c], n_span=n_span)[0])
-        return torch.cat(parts, 0)  # (R, N)
+            out = self._branch_lm(prefix, c, reps, inputs_embeds=embeds, attention_mask=mask_RS[c])
+            return self._span_nll(out, labels_RS[c], n_span=n_span)[0]
+
+        return self._run_branch_chunks(R, len(batch), chunk_nll)  # (R, N)
+
+    def branch_chunk_rows(self, num_examples: int) -> int | None:
+        """Rows per branch chunk of a train forward of ``num_examples`` examples (None = all at once):
+        ``branch_chunk_size``, or, when it is None and activation checkpointing is on, the number of
+        examples (each chunk then is a plain-LoRA-sized forward, so a checkpointing user's branch
+        memory does not grow with K)."""
+        if self.config.branch_chunk_size is not None:
+            return self.config.branch_chunk_size
+        return num_examples if self._layer_checkpointing() else None
+
+    def _layer_checkpointing(self) -> bool:
+        return any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in self.peft_model.get_base_model().modules())
+
+    def _run_branch_chunks(self, num_rows: int, num_examples: int, chunk_nll) -> torch.Tensor:
+        """``cat([chunk_nll(c) for c in chunks])`` -> (R, N), with bounded activation memory.
+
+        With gradients on and more than one chunk, each chunk runs under non-reentrant activation
+        checkpointing as a whole: its forward keeps nothing but its inputs and its (r, N) NLL, and the
+        backward re-runs it and back-propagates through it one chunk at a time, so peak branch memory
+        grows with the chunk size, not with K. Exact (a deterministic recompute; dropout RNG states
+        are replayed): every gradient, through q, the KL and the inter-latent divergence too, equals
+        the unchunked path (tests/unit/test_branch_chunks.py). Cost: one more forward of the branch
+        rows, except under layer checkpointing, which is switched off inside a chunk (the chunk is
+        the checkpoint) so the total stays one forward + one recompute + one backward.
+        """
+        slices = _chunks(num_rows, self.branch_chunk_rows(num_examples))
+        if not (torch.is_grad_enabled() and len(slices) > 1):
+            return torch.cat([chunk_nll(c) for c in slices], 0)
+        from torch.utils.checkpoint import checkpoint
+
+        hf = self.peft_model.get_base_model()
+
+        def isolated(c: slice) -> torch.Tensor:
+            with _layer_checkpointing_off(hf):
+                return chunk_nll(c)
+
+        # No metadata check of the recomputed saved tensors: under ZeRO-3 a saved parameter reads as its
+        # empty partition between its module's forward and backward hooks (its value is gathered
+        # again before use, as in any ZeRO-3 backward); equality is what the tests check.
+        return torch.cat([checkpoint(isolated, c, use_reentrant=False, determinism_check="none") for c in slices], 0)
 
     def _decode(
         self,
@@ -793,9 +966,7 @@ class ZCVAE(nn.Module):
         if latent_index is not None:
             if self.config.latent_type != "discrete":
                 raise ValueError("latent_index is for the discrete latent; pass z for the Gaussian one")
-            latent_ids = torch.tensor(self.tokens.latents, device=input_ids.device)
-            input_ids = input_ids.clone()
-            input_ids[torch.arange(R, device=input_ids.device), slot_start.to(input_ids.device)] = latent_ids[latent_index.to(input_ids.device)]
+            input_ids = self._write_latent(input_ids, slot_start, latent_index)
         positions = torch.arange(S, device=input_ids.device)
         last_R = (attention_mask.long() * positions).argmax(1)  # last position with mask 1
         with torch.no_grad():
@@ -803,9 +974,9 @@ class ZCVAE(nn.Module):
             for c in _chunks(R, self.config.branch_chunk_size):
                 if z is not None:
                     embeds = self._slot_embeds(input_ids[c], slot_start[c], z[c].to(input_ids.device))
-                    logits = self._lm(inputs_embeds=embeds, attention_mask=attention_mask[c]).logits
+                    logits = self._lm(inputs_embeds=embeds, attention_mask=attention_mask[c], logits=True).logits
                 else:
-                    logits = self._lm(input_ids=input_ids[c], attention_mask=attention_mask[c]).logits
+                    logits = self._lm(input_ids=input_ids[c], attention_mask=attention_mask[c], logits=True).logits
                 rows = torch.arange(logits.shape[0], device=logits.device)
                 parts.append(logits[rows, last_R[c]].float())  # (r, V)
         return torch.cat(parts, 0)

@@ -4,8 +4,12 @@ Two templates share one supervised span::
 
     z-free (the reference, and the backbone's own pretraining format)
         <bos> <x> {x} </x> <y> {y} </y> <eos>
-    z-conditioned (the decoder; M slot tokens, M = 1 for the discrete latent)
+    z-conditioned (the decoder; M slot tokens)
         <bos> <x> {x} </x> <z> {z_1 .. z_M} </z> <y> {y} </y> <eos>
+
+The discrete latent value k owns M learned tokens: ``<z_k>`` when M = 1 (the single-slot names,
+so M = 1 models and exports are unchanged), ``<z_k_1> .. <z_k_M>`` when M > 1. The Gaussian latent
+fills the M slots with ``<znull>`` and adds projected offsets to their embeddings.
 
 The supervised span is the y tokens plus ``</y>``. ``<eos>`` is *not* supervised in either template:
 it carries no information about the strategy and leaving it out keeps n_i = len(y) + 1 identical in
@@ -34,9 +38,17 @@ IGNORE_INDEX = -100
 NUM_FRAME_TOKENS = 8
 
 
-def latent_token(k: int) -> str:
-    """The text of the k-th discrete latent token."""
-    return f"<z_{k}>"
+def latent_token(k: int, slot: int | None = None) -> str:
+    """The text of latent value k's token: ``<z_k>`` (single slot, ``slot`` None) or its ``slot``-th
+    (1-based) of M > 1 tokens ``<z_k_slot>``."""
+    return f"<z_{k}>" if slot is None else f"<z_{k}_{slot}>"
+
+
+def latent_token_texts(num_latents: int, num_z_slots: int = 1) -> list[str]:
+    """All K*M latent token texts, value-major: index k*M + m is slot m+1 of value k."""
+    if num_z_slots == 1:
+        return [latent_token(k) for k in range(num_latents)]
+    return [latent_token(k, m + 1) for k in range(num_latents) for m in range(num_z_slots)]
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,14 @@ class TemplateTokens:
     y_close: int
     znull: int
     latents: tuple[int, ...] = ()
+    """K*M latent token ids, value-major (``latent_token_texts``); M = ``num_z_slots``."""
+    num_z_slots: int = 1
+
+    @property
+    def latent_slots(self) -> tuple[tuple[int, ...], ...]:
+        """(K, M) ids: row k is what the z section holds for latent value k."""
+        M = self.num_z_slots
+        return tuple(self.latents[k * M : (k + 1) * M] for k in range(len(self.latents) // M))
 
     @property
     def reserved(self) -> frozenset[int]:
@@ -62,14 +82,17 @@ class TemplateTokens:
         return frozenset(ids | set(self.latents))
 
 
-def prepare_tokenizer(tokenizer, *, num_latents: int) -> TemplateTokens:
-    """Add the template markers and ``num_latents`` latent tokens as special tokens (idempotent).
+def prepare_tokenizer(tokenizer, *, num_latents: int, num_z_slots: int = 1) -> TemplateTokens:
+    """Add the template markers and ``num_latents`` x ``num_z_slots`` latent tokens as special tokens
+    (idempotent).
 
     Tokenizers without a pad token get ``<pad>``; without bos/eos get ``<s>``/``</s>``. The caller
     must resize the model's embeddings to ``len(tokenizer)`` afterwards.
     """
     if num_latents < 0:
         raise ValueError(f"num_latents must be >= 0, got {num_latents}")
+    if num_z_slots < 1:
+        raise ValueError(f"num_z_slots must be >= 1, got {num_z_slots}")
     special = {}
     if tokenizer.bos_token is None:
         special["bos_token"] = "<s>"
@@ -79,15 +102,15 @@ def prepare_tokenizer(tokenizer, *, num_latents: int) -> TemplateTokens:
         special["pad_token"] = "<pad>"
     if special:
         tokenizer.add_special_tokens(special)
-    wanted = list(MARKERS) + [latent_token(k) for k in range(num_latents)]
+    wanted = list(MARKERS) + latent_token_texts(num_latents, num_z_slots)
     vocab = tokenizer.get_vocab()
     missing = [t for t in wanted if t not in vocab]
     if missing:
         tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
-    return template_tokens(tokenizer, num_latents=num_latents)
+    return template_tokens(tokenizer, num_latents=num_latents, num_z_slots=num_z_slots)
 
 
-def template_tokens(tokenizer, *, num_latents: int) -> TemplateTokens:
+def template_tokens(tokenizer, *, num_latents: int, num_z_slots: int = 1) -> TemplateTokens:
     """Resolve marker ids without changing the tokenizer; ValueError naming a missing marker."""
     vocab = tokenizer.get_vocab()
 
@@ -110,7 +133,8 @@ def template_tokens(tokenizer, *, num_latents: int) -> TemplateTokens:
         y_open=tid(Y_OPEN),
         y_close=tid(Y_CLOSE),
         znull=tid(ZNULL),
-        latents=tuple(tid(latent_token(k)) for k in range(num_latents)),
+        latents=tuple(tid(t) for t in latent_token_texts(num_latents, num_z_slots)),
+        num_z_slots=num_z_slots,
     )
 
 

@@ -6,10 +6,14 @@ This file is both the pytest test and its torchrun worker:
         tests/distributed/test_prefix_sharing_dist.py --backbone DIR --out DIR
 
 Each rank builds the same tiny Llama CVAE, wraps it in a real engine (DeepSpeed ZeRO-3 with every
-parameter sharded, FSDP2), and trains two optimizer steps the trainer's way (global count first,
-``local_sum / global_count``, backward, step) on its half of a batch that is ragged in x and y, once
-with ``share_x_prefix`` off and once on. Gradients must cross the cached keys and values back into
-the prefix pass while the weights are gathered and resharded per layer.
+parameter sharded, FSDP2, the local engine's DDP), and trains two optimizer steps the trainer's way
+(global count first, ``local_sum / global_count``, backward, step) on its half of a batch that is
+ragged in x and y: with ``share_x_prefix`` off ("full"), on ("shared"), and on with activation
+checkpointing ("shared-ckpt", compared with the "full" run without checkpointing, which changes no
+value). Gradients must cross the cached keys and values back into the prefix pass while the weights
+are gathered and resharded per layer, and, with checkpointing, while every layer is replayed. With
+checkpointing on and no ``branch_chunk_size``, the branch rows run in chunks of B rows, each chunk
+rebuilt in the backward (bounded branch memory), so "shared-ckpt" checks that path too.
 
 The optimizer is AdamW with eps = 100 and lr = 10: the update ``lr * m / (sqrt(v) + eps)`` is then
 about 0.1 x the gradient (a smooth function of it), so equal parameters after the steps mean equal
@@ -36,20 +40,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 LAUNCH_TIMEOUT_S = 300
 ATOL = 1e-5
-ENGINES = ("zero3", "fsdp2")
+ENGINES = ("zero3", "fsdp2", "local")
 LATENTS = ("discrete", "continuous")
+MODES = ("full", "shared", "shared-ckpt")
+# the local engine (DDP) only checks the new checkpointed path; ZeRO-3 and FSDP2 run all three
+SCENARIOS = [(e, l, m) for e in ENGINES for l in LATENTS for m in MODES if e != "local" or m != "shared"]
 X_LENGTHS = (1, 7, 3, 11, 5, 2, 9, 4)  # 8 examples: rank r trains examples 4r .. 4r + 3
 Y_LENGTHS = (6, 2, 9, 4, 1, 8, 3, 5)
 NUM_STEPS = 2
 LR, EPS = 10.0, 100.0  # see the module docstring
 
 
-def model_config(latent: str, share: bool):
+def model_config(latent: str, mode: str):
     from zcvae.model import ModelConfig
 
+    common = dict(share_x_prefix=mode != "full", gradient_checkpointing=mode == "shared-ckpt")
     if latent == "discrete":
-        return ModelConfig(num_latents=3, share_x_prefix=share)
-    return ModelConfig(latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=2, share_x_prefix=share)
+        return ModelConfig(num_latents=3, **common)
+    return ModelConfig(latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=2, **common)
 
 
 def global_batch(model):
@@ -65,11 +73,11 @@ def global_batch(model):
     return collate(examples, model.tokens, num_z_slots=model.config.num_z_slots)
 
 
-def build_model(backbone: str, latent: str, share: bool):
+def build_model(backbone: str, latent: str, mode: str):
     """The same model on every rank: LoRA B and the z rows moved off their initialisation, then calibrated."""
     from zcvae.model import ZCVAE
 
-    model = ZCVAE.from_pretrained(backbone, model_config(latent, share), seed=0)
+    model = ZCVAE.from_pretrained(backbone, model_config(latent, mode), seed=0)
     batch = global_batch(model)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -88,11 +96,12 @@ def per_example_loss(out) -> torch.Tensor:
     return recon_B + 0.7 * out.kl + 0.3 * (out.zfree_nll * mask).sum(-1) / n_B
 
 
-def run_scenario(backbone: str, engine_name: str, latent: str, share: bool, *, rank: int, world_size: int) -> tuple[dict, dict]:
+def run_scenario(backbone: str, engine_name: str, latent: str, mode: str, *, rank: int, world_size: int) -> tuple[dict, dict]:
     from zcvae.engines import EngineConfig, build_engine
     from zcvae.engines.deepspeed import BUILTIN_DEEPSPEED_CONFIGS
 
-    model, batch = build_model(backbone, latent, share)
+    model, batch = build_model(backbone, latent, mode)
+    ckpt = mode == "shared-ckpt"
     groups = model.param_groups(lora_lr=LR, latent_lr=LR, weight_decay=0.0)
     if engine_name == "zero3":
         ds = copy.deepcopy(BUILTIN_DEEPSPEED_CONFIGS["zero3"])
@@ -100,11 +109,11 @@ def run_scenario(backbone: str, engine_name: str, latent: str, share: bool, *, r
         path = os.path.join(os.environ["PREFIX_TEST_OUT"], f"zero3-rank{rank}.json")
         with open(path, "w") as f:
             json.dump(ds, f)
-        config = EngineConfig(engine="deepspeed", deepspeed_config=path)
+        config = EngineConfig(engine="deepspeed", deepspeed_config=path, gradient_checkpointing=ckpt)
     elif engine_name == "fsdp2":
-        config = EngineConfig(engine="fsdp2")
+        config = EngineConfig(engine="fsdp2", gradient_checkpointing=ckpt)
     else:
-        config = EngineConfig()
+        config = EngineConfig(gradient_checkpointing=ckpt)
     engine = build_engine(config, model=model, param_groups=groups, learning_rate=LR, eps=EPS)
     size = len(batch) // world_size
     local = batch.select(list(range(rank * size, (rank + 1) * size)))
@@ -114,16 +123,18 @@ def run_scenario(backbone: str, engine_name: str, latent: str, share: bool, *, r
         noise = torch.randn(len(batch), 2, 4, generator=torch.Generator().manual_seed(10 + step))[rank * size : (rank + 1) * size]
         kw = {"latent_noise": noise} if latent == "continuous" else {}
         loss = per_example_loss(engine.module(local, mode="train", **kw)).sum() / global_count
+        # asked while gradients are on, as the forward asks: checkpointing must not block sharing
+        record["shared"] = model.prefix_sharing_blocker(local) is None
+        record["checkpointed"] = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+        record["branch_chunk_rows"] = model.branch_chunk_rows(len(local))
         engine.backward(loss, sync=True)
         record["grad_norm"].append(float(engine.step(max_grad_norm=None)))
         record["loss"].append(float(engine.all_reduce(loss.detach().reshape(1))[0]))
-    blocker = model.prefix_sharing_blocker(local)
-    record["shared"] = blocker is None
     return record, engine.trainable_state_dict()
 
 
-def scenario_name(engine_name: str, latent: str, share: bool) -> str:
-    return f"{engine_name}-{latent}-{'shared' if share else 'full'}"
+def scenario_name(engine_name: str, latent: str, mode: str) -> str:
+    return f"{engine_name}-{latent}-{mode}"
 
 
 def _worker(argv: list[str]) -> None:
@@ -139,21 +150,20 @@ def _worker(argv: list[str]) -> None:
     info = init_distributed()
     torch.set_num_threads(1)
     start = time.time()
-    for engine_name in ENGINES:
-        for latent in LATENTS:
-            for share in (False, True):
-                name = scenario_name(engine_name, latent, share)
-                try:
-                    record, state = run_scenario(args.backbone, engine_name, latent, share, rank=info.rank, world_size=info.world_size)
-                    if info.rank == 0:
-                        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(args.out, f"{name}.safetensors"))
-                        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-                            json.dump(record, f)
-                except Exception as err:  # noqa: BLE001 - recorded for the test, which names the scenario
-                    with open(os.path.join(args.out, f"{name}.rank{info.rank}.error"), "w") as f:
-                        f.write(repr(err))
-                    raise
-                print(f"[rank {info.rank}] {name} done at {time.time() - start:.1f} s", flush=True)
+    # PREFIX_ONLY=zero3-discrete (a substring of the scenario names) runs a subset when debugging by hand
+    for engine_name, latent, mode in [s for s in SCENARIOS if os.environ.get("PREFIX_ONLY", "") in "-".join(s)]:
+        name = scenario_name(engine_name, latent, mode)
+        try:
+            record, state = run_scenario(args.backbone, engine_name, latent, mode, rank=info.rank, world_size=info.world_size)
+            if info.rank == 0:
+                save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(args.out, f"{name}.safetensors"))
+                with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+                    json.dump(record, f)
+        except Exception as err:  # noqa: BLE001 - recorded for the test, which names the scenario
+            with open(os.path.join(args.out, f"{name}.rank{info.rank}.error"), "w") as f:
+                f.write(repr(err))
+            raise
+        print(f"[rank {info.rank}] {name} done at {time.time() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
@@ -189,12 +199,17 @@ else:
         with open(path) as f:
             return json.load(f), load_file(os.path.join(out, f"{name}.safetensors"))
 
+    @pytest.mark.parametrize("mode", ["shared", "shared-ckpt"])
     @pytest.mark.parametrize("latent", LATENTS)
     @pytest.mark.parametrize("engine_name", ENGINES)
-    def test_shared_prefix_equals_full_path_under_sharding(launched, engine_name, latent):
-        full, full_state = _load(launched, scenario_name(engine_name, latent, False))
-        shared, shared_state = _load(launched, scenario_name(engine_name, latent, True))
+    def test_shared_prefix_equals_full_path_under_sharding(launched, engine_name, latent, mode):
+        if (engine_name, latent, mode) not in SCENARIOS:
+            pytest.skip("the local engine runs the checkpointed shared path only")
+        full, full_state = _load(launched, scenario_name(engine_name, latent, "full"))
+        shared, shared_state = _load(launched, scenario_name(engine_name, latent, mode))
         assert shared["shared"] and not full["shared"], "the shared run must really take the shared path"
+        assert shared["checkpointed"] == (mode == "shared-ckpt") and not full["checkpointed"]
+        assert shared["branch_chunk_rows"] == (4 if mode == "shared-ckpt" else None)  # B rows: K chunks, each rebuilt
         assert len(shared["loss"]) == NUM_STEPS
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(torch.tensor(shared[key]), torch.tensor(full[key]), atol=ATOL, rtol=ATOL, msg=key)
@@ -206,8 +221,8 @@ else:
     def test_engines_agree(launched):
         """ZeRO-3 and FSDP2 take the same shared-prefix steps (guards against both breaking alike)."""
         for latent in LATENTS:
-            zero3, zero3_state = _load(launched, scenario_name("zero3", latent, True))
-            fsdp2, fsdp2_state = _load(launched, scenario_name("fsdp2", latent, True))
+            zero3, zero3_state = _load(launched, scenario_name("zero3", latent, "shared"))
+            fsdp2, fsdp2_state = _load(launched, scenario_name("fsdp2", latent, "shared"))
             torch.testing.assert_close(torch.tensor(zero3["loss"]), torch.tensor(fsdp2["loss"]), atol=ATOL, rtol=ATOL)
             for name, value in fsdp2_state.items():
                 torch.testing.assert_close(zero3_state[name], value, atol=ATOL, rtol=ATOL, msg=name)

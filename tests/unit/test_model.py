@@ -196,6 +196,68 @@ def test_discrete_branches_equal_loop_chunks_and_decode(backbones):
             torch.testing.assert_close(model(batch, mode="train").token_nll, out.token_nll, atol=1e-5, rtol=1e-5)
 
 
+def test_discrete_multi_slot_branches_equal_loop_chunks_and_decode(backbones):
+    """--num-z-slots M for the discrete latent: value k writes its own M tokens into the M slots."""
+    model, batch = load(backbones, "llama", num_latents=3, num_z_slots=2)
+    slots = model.tokens.latent_slots
+    assert len(slots) == 3 and all(len(s) == 2 for s in slots) and len(set(model.tokens.latents)) == 6
+    assert model.tokenizer.convert_ids_to_tokens(list(slots[1])) == ["<z_1_1>", "<z_1_2>"]
+    perturb_lora(model)
+    with torch.no_grad():
+        for n, p in model._latent_named_parameters():
+            if "trainable_tokens_delta" in n:
+                assert p.shape == (6, 32)
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        out = model(batch, mode="train")
+        assert out.token_nll.shape == (4, 3, int(batch.num_supervised.max()))
+        rows = torch.arange(len(batch))
+        for k, ids_M in enumerate(slots):
+            ids = batch.z_input_ids.clone()
+            assert (ids[rows, batch.z_slot_start + 1] == model.tokens.znull).all()
+            for m, latent_id in enumerate(ids_M):
+                ids[rows, batch.z_slot_start + m] = latent_id
+            assert (ids[rows, batch.z_slot_start + 2] == model.tokens.z_close).all()
+            torch.testing.assert_close(out.token_nll[:, k], explicit_nll(model, batch, ids), atol=1e-5, rtol=1e-5)
+            logits = model.peft_model(input_ids=ids, attention_mask=batch.z_attention_mask).logits
+            last = batch.z_attention_mask.sum(1) - 1
+            dec = model(mode="decode", input_ids=batch.z_input_ids, attention_mask=batch.z_attention_mask,
+                        slot_start=batch.z_slot_start, latent_index=torch.full((len(batch),), k))
+            torch.testing.assert_close(dec, logits[rows, last], atol=1e-5, rtol=1e-5)
+        # both slots matter: changing only the second token of value 0 changes its branch
+        ids = batch.z_input_ids.clone()
+        ids[rows, batch.z_slot_start] = slots[0][0]
+        ids[rows, batch.z_slot_start + 1] = slots[1][1]
+        assert (explicit_nll(model, batch, ids) - out.token_nll[:, 0]).abs().max() > 1e-4
+        for chunk in (1, 5):
+            model.config.branch_chunk_size = chunk
+            torch.testing.assert_close(model(batch, mode="train").token_nll, out.token_nll, atol=1e-5, rtol=1e-5)
+
+
+def test_discrete_multi_slot_trains_only_z_rows_tied_gpt2(backbones):
+    model, batch = load(backbones, "gpt2", num_latents=2, num_z_slots=3)
+    z = torch.tensor(model.tokens.latents)
+    assert z.numel() == 6
+    emb = model.peft_model.get_input_embeddings()
+    all_ids = torch.arange(len(model.tokenizer))
+    rows0 = emb(all_ids).detach().clone()
+    assert torch.pdist(rows0[z]).min() > 0, "every one of the K*M rows starts different"
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    objective(model(batch, mode="train")).backward()
+    delta = [p for n, p in model._latent_named_parameters() if "trainable_tokens_delta" in n]
+    assert len(delta) == 1 and delta[0].shape == (6, 32)
+    assert (delta[0].grad.abs().sum(-1) > 0).all(), "every slot row of every latent gets a gradient"
+    model.zero_grad()
+    train_steps(model, batch, 2)
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), f"frozen parameter {n} changed"
+    rows = emb(all_ids).detach()
+    keep = torch.ones(len(all_ids), dtype=torch.bool)
+    keep[z] = False
+    assert torch.equal(rows[keep], rows0[keep]), "a non-z embedding row changed"
+    assert (rows[z] - rows0[z]).abs().amax(-1).min() > 0, "every z row should have trained"
+
+
 def test_step0_router_is_uniform_and_batch_independent(backbones):
     for calibrate in (True, False):  # False: lazy calibration at the first train forward
         model, batch = load(backbones, "llama", calibrate=calibrate, num_latents=4)
@@ -285,7 +347,7 @@ def test_bad_configuration(backbones, tmp_path):
     with pytest.raises(ValueError, match="num_latents"):
         ModelConfig(num_latents=0)
     with pytest.raises(ValueError, match="num_z_slots"):
-        ModelConfig(latent_type="discrete", num_z_slots=2)
+        ModelConfig(latent_type="discrete", num_z_slots=0)
     with pytest.raises(ValueError, match="branch_chunk_size"):
         ModelConfig(branch_chunk_size=0)
     with pytest.raises(ValueError, match="lora_dropout"):
