@@ -248,13 +248,17 @@ def _is_seed_bearing_key(key: str) -> bool:
     return key in ("run_name", "name") or key.endswith(("_dir", "_path", "output", "outdir"))
 
 
+# Keys that never split a seed group: the seed itself; the kl-weight-scale factor (read from each seed's
+# data: one setting); and bookkeeping that does not change what is trained (a resumed run, a progress bar).
+_NOT_GROUPING = frozenset({"seed", "kl_weight_factor", "resume", "progress_bar", "save_every", "keep_last_checkpoints", "reference_cache_dir"})
+
+
 def _group_key(summary: RunSummary) -> str:
     seed = summary.seed
     config = {
         key: (_seed_free(value, seed) if _is_seed_bearing_key(key) else value)
         for key, value in summary.config.items()
-        # the kl-weight-scale factor is read from each seed's data: the same setting, not another group
-        if key not in ("seed", "kl_weight_factor")
+        if key not in _NOT_GROUPING
     }
     return json.dumps(config, sort_keys=True, default=str)
 
