@@ -1,6 +1,11 @@
 """Expand a run family into named runs and render one SLURM script per run.
 
     python launch/sweep.py FAMILY.yaml --out DIR [--dry-run] [--defaults {auto,config,base}] [--force]
+    zcvae sweep FAMILY.yaml --local --output-dir DIR [--task T] [--jobs N] [--dry-run]   # no SLURM
+
+``--local`` (:func:`local_plan`, :func:`run_local`) trains the runs on this machine instead, one after
+another (or ``--jobs N`` at once, one thread each), skips runs whose final evaluation exists, and prints
+the aggregate table with seed groups as mean ± std.
 
 A family file (YAML or JSON) holds::
 
@@ -626,7 +631,10 @@ def local_main(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="launch/sweep.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="launch/sweep.py", description=__doc__.split("\n\n")[0],
+        epilog="Without SLURM: zcvae sweep FAMILY --local --output-dir DIR [--task T] [--jobs N] [--dry-run] "
+        "runs the family here (see `zcvae sweep FAMILY --local --help`).")
     parser.add_argument("family", help="family file (YAML or JSON)")
     parser.add_argument("--out", required=True, help="directory for the scripts, manifest.jsonl and logs/")
     parser.add_argument("--dry-run", action="store_true", help="print the runs, write nothing")
