@@ -52,7 +52,7 @@ class TrainConfig:
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass.")
     share_x_prefix: bool = _f(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact; falls back with a reason where unsupported).")
     # ---- reconstruction (seed 003, 001)
-    objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Recorded as 'custom' when only weight flags are given.", choices=("raw", "dist", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
+    objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: zcvae.config.DEFAULT_OBJECTIVE (TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Per-example token aggregation of every reconstruction term: mean or sum (then an example mean).", choices=("mean", "sum"))
     reconstruction_weight: float = _f(1.0, "Weight of reconstruction_loss (raw).")
     distribution_normalized_reconstruction_weight: float = _f(0.0, "Weight of distribution_normalized_reconstruction_loss.")
