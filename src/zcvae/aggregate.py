@@ -4,7 +4,8 @@ Each run directory holds ``run_config.json`` (``{"config": {...flat resolved con
 ..., "git_revision": ...}``) and ``metrics.jsonl`` (one flat JSON object per line with ``step``,
 ``split`` and metric keys). A row shows what distinguishes the objective -- latent type, token
 aggregation mode (the seed notes require it in every aggregate table), the nonzero
-reconstruction-term weights, alpha and beta -- and the final evaluation metrics.
+reconstruction-term weights and the objective preset they came from, alpha, beta and the KL schedule --
+and the final evaluation metrics.
 
     zcvae aggregate runs/*                          # Markdown table, seeds grouped as mean ± std
     zcvae aggregate runs/* --format csv > table.csv
@@ -59,7 +60,9 @@ DEFAULT_METRICS: tuple[str, ...] = (
 RECONSTRUCTION_WEIGHT_ABBREVIATIONS: dict[str, str] = {field: ABBREVIATIONS[field] for field in RECONSTRUCTION_WEIGHT_FIELDS}
 
 # Identity columns of a row, in table order, before the seed columns and the metrics.
-_IDENTITY_COLUMNS = ("name", "latent", "mode", "recon", "alpha", "beta")
+# ``kl_schedule`` sits next to beta: a delay-ramp beta is not a constant beta, and kl-weight-scale
+# tokens multiplies it by a factor read from the data.
+_IDENTITY_COLUMNS = ("name", "latent", "mode", "objective", "recon", "alpha", "beta", "kl_schedule")
 MISSING = "-"
 
 
@@ -80,6 +83,8 @@ class RunSummary:
     num_records: int = 0
     versions: Any = None
     git_revision: Any = None
+    kl_weight_factor: Any = None
+    """The resolved multiplier of beta recorded in run_config.json (kl-weight-scale tokens), if any."""
 
     @property
     def name(self) -> str:
@@ -163,6 +168,7 @@ def load_run(run_dir: str | os.PathLike) -> RunSummary:
         num_records=len(records),
         versions=run_config.get("versions"),
         git_revision=run_config.get("git_revision"),
+        kl_weight_factor=run_config.get("kl_weight_factor"),
     )
 
 
@@ -205,6 +211,26 @@ def _reconstruction_weights(config: dict[str, Any]) -> str:
     return ", ".join(parts) if parts else MISSING
 
 
+def _kl_schedule(config: dict[str, Any], factors: Sequence[Any]) -> str:
+    """The KL schedule in a few words, e.g. ``delay-ramp 0.3+0.2``, ``cyclical x4 0.3+0.2``, ``constant``;
+    with kl-weight-scale tokens, ``; beta x 7.1 (tokens)`` (the seeds' factors, if they differ, as a range)."""
+    schedule = config.get("kl_schedule")
+    if schedule is None:
+        return MISSING
+    text = str(schedule)
+    if schedule != "constant":
+        delay, ramp = config.get("kl_delay_fraction"), config.get("kl_ramp_fraction")
+        if schedule == "cyclical":
+            text += f" x{config.get('kl_cycles')}"
+        text += f" {_format_number(delay)}+{_format_number(ramp)}"
+    scale = config.get("kl_weight_scale")
+    if scale not in (None, "none"):
+        values = sorted({float(f) for f in factors if isinstance(f, (int, float))})
+        shown = MISSING if not values else _format_number(values[0]) if len(values) == 1 else f"{_format_number(values[0])}-{_format_number(values[-1])}"
+        text += f"; beta x {shown} ({scale})"
+    return text
+
+
 def _seed_free(value: Any, seed: Any) -> Any:
     """Replace the seed where a name marks it: ``b1-seed1`` -> ``b1-seed{seed}``, ``b1_s1`` -> ``b1_s{seed}``.
 
@@ -224,12 +250,17 @@ def _is_seed_bearing_key(key: str) -> bool:
     return key in ("run_name", "name") or key.endswith(("_dir", "_path", "output", "outdir"))
 
 
+# Keys that never split a seed group: the seed itself; the kl-weight-scale factor (read from each seed's
+# data: one setting); and bookkeeping that does not change what is trained (a resumed run, a progress bar).
+_NOT_GROUPING = frozenset({"seed", "kl_weight_factor", "resume", "progress_bar", "save_every", "keep_last_checkpoints", "reference_cache_dir"})
+
+
 def _group_key(summary: RunSummary) -> str:
     seed = summary.seed
     config = {
         key: (_seed_free(value, seed) if _is_seed_bearing_key(key) else value)
         for key, value in summary.config.items()
-        if key != "seed"
+        if key not in _NOT_GROUPING
     }
     return json.dumps(config, sort_keys=True, default=str)
 
@@ -278,7 +309,8 @@ def aggregate_runs(
 ) -> list[dict[str, Any]]:
     """One row per run, or per group of runs that differ only in seed, in order of first appearance.
 
-    Row keys: ``name``, ``latent``, ``mode``, ``recon``, ``alpha``, ``beta`` (config values or "-"),
+    Row keys: ``name``, ``latent``, ``mode``, ``objective``, ``recon``, ``alpha``, ``beta`` (config values
+    or "-"), ``kl_schedule`` (the schedule and, under kl-weight-scale tokens, beta's factor),
     ``n`` (runs in the row), ``seeds`` (list), ``run_dirs`` (list), and one key per metric holding a
     ``Stat`` over the runs that report it (None when none does). A run directory listed twice counts once.
     With ``skip_bad`` an unreadable run is reported through ``warn(message)`` (default: stderr) and
@@ -314,9 +346,11 @@ def aggregate_runs(
             "name": _group_name(members),
             "latent": _config_cell(config, "latent_type"),
             "mode": _config_cell(config, "reconstruction_loss_token_aggregation_mode"),
+            "objective": _config_cell(config, "objective"),
             "recon": _reconstruction_weights(config),
             "alpha": _config_cell(config, "token_weight_alpha"),
             "beta": _config_cell(config, "kl_weight"),
+            "kl_schedule": _kl_schedule(config, [m.kl_weight_factor for m in members]),
             "n": len(members),
             "seeds": [m.seed for m in members],
             "run_dirs": [m.run_dir for m in members],

@@ -1,4 +1,4 @@
-"""The ``zcvae`` command: demo, pretrain, train, evaluate, aggregate, export, generate, encode, convert-gguf.
+"""The ``zcvae`` command: demo, pretrain, train, evaluate, aggregate, sweep, export, generate, encode, convert-gguf.
 
 Every :class:`~zcvae.config.TrainConfig` field is a ``zcvae train`` flag in kebab case; a YAML/JSON file
 given with ``--config`` sets fields too, and flags on the command line win over the file.
@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-from zcvae.config import TrainConfig, load_config_file
+from zcvae.config import DEFAULT_OBJECTIVE, TrainConfig, load_config_file
 
 
 def _base_type(tp) -> tuple[Any, bool]:
@@ -51,7 +51,8 @@ def resolve_train_config(args: argparse.Namespace, cls=TrainConfig):
         values.update(load_config_file(args.config))
     field_names = {f.name for f in dataclasses.fields(cls)}
     values.update({k: v for k, v in vars(args).items() if k in field_names})
-    return cls.from_dict(values, source=args.config or "command line")
+    # no objective and no weight given: `zcvae train` runs the default preset, not the library's raw 1.0
+    return cls.from_dict(values, source=args.config or "command line", default_objective=DEFAULT_OBJECTIVE)
 
 
 def _cmd_train(args) -> int:
@@ -92,7 +93,7 @@ def _cmd_aggregate(argv) -> int:
 def _cmd_demo(args) -> int:
     from zcvae.demo import run_demo
 
-    run_demo(output_dir=args.output_dir, quick=args.quick, seeds=args.seeds)
+    run_demo(output_dir=args.output_dir, quick=args.quick, seeds=args.seeds, jobs=args.jobs)
     return 0
 
 
@@ -120,11 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_evaluate)
 
     sub.add_parser("aggregate", help="Table of final metrics over run directories (see `zcvae aggregate --help`).", add_help=False)
+    sub.add_parser("sweep", help="Run a family file here (--local --output-dir DIR) or render its SLURM scripts (--out DIR).", add_help=False)
 
-    p = sub.add_parser("demo", help="The whole pipeline on the built-in default: backbone, the seed-001 pilot, the table.")
+    p = sub.add_parser("demo", help="The whole pipeline on the built-in default: backbone, the seed-001 pilot (raw mean, dist/tokcc/hybrid mean and sum), the table.")
     p.add_argument("--output-dir", default="runs/demo")
     p.add_argument("--quick", action="store_true", help="A few steps per run, for tests.")
-    p.add_argument("--seeds", type=int, default=1, help="Seeds per configuration.")
+    p.add_argument("--seeds", type=int, default=1, help="Seeds per configuration (3 for the full table: mean ± std).")
+    p.add_argument("--jobs", type=int, default=None, help="Runs at once, one thread each (default: zcvae.demo.DEMO_JOBS).")
     p.set_defaults(func=_cmd_demo)
 
     for name, help_text in (
@@ -142,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     # subcommands with their own argument parsers
     if argv and argv[0] == "aggregate":
         return _cmd_aggregate(argv[1:])
+    if argv and argv[0] == "sweep":
+        from zcvae.sweep import local_main
+
+        return local_main(argv[1:])
     if argv and argv[0] in ("export", "generate", "encode"):
         from zcvae import inference
 

@@ -54,6 +54,7 @@ class TrainConfig:
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass.")
     share_x_prefix: bool = _f(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact, also under gradient checkpointing; falls back with a reason where unsupported).")
     # ---- reconstruction (seed 003, 001)
+    objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: zcvae.config.DEFAULT_OBJECTIVE (TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Per-example token aggregation of every reconstruction term: mean or sum (then an example mean).", choices=("mean", "sum"))
     reconstruction_weight: float = _f(1.0, "Weight of reconstruction_loss (raw).")
     distribution_normalized_reconstruction_weight: float = _f(0.0, "Weight of distribution_normalized_reconstruction_loss.")
@@ -69,6 +70,8 @@ class TrainConfig:
     reference_cache_dir: str | None = _f(None, "Directory of precomputed reference stores (default ~/.cache/zcvae/reference).")
     # ---- KL and auxiliaries (seed 001 names)
     kl_weight: float = _f(1.0, "beta, the final weight of KL(q || p).")
+    kl_weight_scale: str = _f("none", "none, or tokens: beta is multiplied by the validation mean of n_i (supervised tokens per example), the explicit beta control for sum aggregation (seed 001).", choices=("none", "tokens"))
+    kl_weight_factor: float | None = _f(None, "The multiplier of beta that kl-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
     kl_schedule: str = _f("delay-ramp", "constant, delay-ramp (0 for kl-delay-fraction, then linear over kl-ramp-fraction) or cyclical.", choices=("constant", "delay-ramp", "cyclical"))
     kl_delay_fraction: float = _f(0.3, "Fraction of steps (per cycle) with beta = 0.")
     kl_ramp_fraction: float = _f(0.2, "Fraction of steps (per cycle) over which beta ramps to kl-weight.")
@@ -107,17 +110,22 @@ class TrainConfig:
     resume: str | None = _f(None, "Resume from a checkpoint directory, or 'auto' for the newest complete one in the run directory.")
 
     def __post_init__(self) -> None:
+        if self.objective is None:
+            # constructed directly (library use): name what the weights amount to
+            self.objective = matching_objective(self.to_dict())
         validate(self)
 
     # -- construction
     @classmethod
-    def from_dict(cls, values: dict[str, Any], *, source: str = "config") -> "TrainConfig":
+    def from_dict(cls, values: dict[str, Any], *, source: str = "config", default_objective: str | None = None) -> "TrainConfig":
+        """Build from a dict of the fields that were *given*; the objective is resolved by
+        :func:`expand_objective` (so a dict must hold only what a user set, not a full default dict)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"{source}: unknown config key(s) {unknown}; see `zcvae train --help`")
         check_types(cls, values, source=source)
-        return cls(**values)
+        return cls(**expand_objective(values, default=default_objective))
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TrainConfig":
@@ -177,6 +185,11 @@ class TrainConfig:
         )
 
     @property
+    def effective_kl_weight(self) -> float:
+        """The final beta actually applied: ``kl_weight`` times the resolved ``kl_weight_factor``."""
+        return self.kl_weight * (1.0 if self.kl_weight_factor is None else self.kl_weight_factor)
+
+    @property
     def slot_tokens(self) -> int:
         """M, the length of the z section, for both latent types (each discrete value owns M rows)."""
         return self.num_z_slots
@@ -190,6 +203,97 @@ RECONSTRUCTION_WEIGHT_FIELDS = (
     "normalized_concentration_corrected_token_weighted_reconstruction_weight",
     "normalized_inverse_surprisal_token_weighted_reconstruction_weight",
 )
+
+# ---- objective presets -------------------------------------------------------------------------------
+# One preset per arm of seed 001's pilot. Each sets all six reconstruction weights (absent = 0); alpha is
+# set only where the preset uses the surprisal-share token weights, else the config's alpha stays.
+# tokcc uses alpha 0.5: at alpha 1 nearly all of an example's weight sits on the one strategy-revealing
+# token, and the decoder's other tokens drift (README table: NMI 1 but exact match 0).
+# The hybrids keep the raw term at weight 1, so the decoder is trained on every token as in plain
+# likelihood training, and add one normalized term that keeps z in use under the KL.
+_W_RAW, _W_DIST, _W_EX, _W_TOK, _W_TOKCC, _W_TOKINV = RECONSTRUCTION_WEIGHT_FIELDS
+OBJECTIVE_PRESETS: dict[str, dict[str, float]] = {
+    "raw": {_W_RAW: 1.0},
+    "dist": {_W_DIST: 1.0},
+    "tokcc": {_W_TOKCC: 1.0, "token_weight_alpha": 0.5},
+    "tokinv": {_W_TOKINV: 1.0},
+    "ex": {_W_EX: 1.0},
+    "raw+tokcc": {_W_RAW: 1.0, _W_TOKCC: 1.0, "token_weight_alpha": 0.5},
+    "raw+dist": {_W_RAW: 1.0, _W_DIST: 1.0},
+}
+CUSTOM_OBJECTIVE = "custom"
+# What `zcvae train` optimises when no objective flag is given (the library's TrainConfig() stays raw).
+DEFAULT_OBJECTIVE = "raw+dist"
+# The hybrid the pilot families and `zcvae demo` run in mean and sum.
+BEST_HYBRID = "raw+dist"
+
+
+def preset_values(name: str) -> dict[str, float]:
+    """All six reconstruction weights (and alpha where the preset sets it) of preset ``name``."""
+    if name not in OBJECTIVE_PRESETS:
+        raise ValueError(f"objective must be one of {sorted(OBJECTIVE_PRESETS)} or {CUSTOM_OBJECTIVE!r}, got {name!r}")
+    return {**{f: 0.0 for f in RECONSTRUCTION_WEIGHT_FIELDS}, **OBJECTIVE_PRESETS[name]}
+
+
+def expand_objective(values: dict[str, Any], *, default: str | None = None) -> dict[str, Any]:
+    """``values`` (the fields a user gave) with the objective resolved.
+
+    - ``objective`` given: its preset's weights (and alpha), then every field in ``values`` on top
+      (explicit weight flags win entry by entry);
+    - no ``objective`` but some reconstruction weights given: exactly those weights, the others 0,
+      recorded as ``"custom"``;
+    - neither: preset ``default`` when one is given (the CLI passes :data:`DEFAULT_OBJECTIVE`), else
+      the values as they are (TrainConfig's own defaults, raw 1.0, named by :func:`matching_objective`).
+    """
+    values = dict(values)
+    name = values.get("objective")
+    if name is None:
+        if any(f in values for f in RECONSTRUCTION_WEIGHT_FIELDS):
+            name = CUSTOM_OBJECTIVE
+        elif default is not None:
+            name = default
+        else:
+            return values
+    if name == CUSTOM_OBJECTIVE:
+        base = {f: 0.0 for f in RECONSTRUCTION_WEIGHT_FIELDS}
+    else:
+        base = preset_values(name)
+    return {**base, **values, "objective": name}
+
+
+def matching_objective(config: dict[str, Any]) -> str:
+    """The preset whose weights (and alpha, where it sets one) ``config`` has, else ``"custom"``."""
+    for name in OBJECTIVE_PRESETS:
+        if all(config.get(f) == v for f, v in preset_values(name).items()):
+            return name
+    return CUSTOM_OBJECTIVE
+
+
+def naming_defaults(params: dict[str, Any]) -> dict[str, Any]:
+    """Defaults to name a run against: TrainConfig's, with the weights of the run's objective, so a name
+    reads ``obj-dist`` and lists a weight only where it differs from the preset."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    name = params.get("objective")
+    if name in OBJECTIVE_PRESETS:
+        defaults.update(preset_values(name))
+    elif name == CUSTOM_OBJECTIVE:
+        defaults.update({f: 0.0 for f in RECONSTRUCTION_WEIGHT_FIELDS})
+    return defaults
+
+
+def train_run_name(config: dict[str, Any]) -> str:
+    """The run name of a resolved config: the objective and aggregation mode always, then what differs."""
+    from zcvae.naming import AGGREGATION_MODE_FIELD, run_name
+
+    return run_name(config, naming_defaults(config), always=(AGGREGATION_MODE_FIELD, "objective"))
+
+
+def parse_train_run_name(name: str) -> dict[str, Any]:
+    """Read a :func:`train_run_name` back (two passes: the objective first, then the rest against its preset)."""
+    from zcvae.naming import parse_run_name
+
+    first = parse_run_name(name, naming_defaults({}))
+    return parse_run_name(name, naming_defaults({"objective": first.get("objective")}))
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -239,6 +343,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"max_grad_norm must be > 0 or omitted, got {cfg.max_grad_norm}")
     if cfg.max_length < 16:
         raise ValueError(f"max_length must be >= 16, got {cfg.max_length}")
+    if cfg.kl_weight_factor is not None and not cfg.kl_weight_factor > 0:
+        raise ValueError(f"kl_weight_factor must be > 0 or omitted, got {cfg.kl_weight_factor}")
+    if cfg.kl_weight_scale == "none" and cfg.kl_weight_factor not in (None, 1.0):
+        raise ValueError(f"kl_weight_factor is {cfg.kl_weight_factor} but kl_weight_scale is none (set kl_weight_scale tokens or drop the factor)")
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
@@ -292,16 +400,16 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def kl_weight_at(cfg: TrainConfig, step: int) -> float:
-    """beta at optimizer step ``step`` (0-based) under the configured schedule."""
+    """beta at optimizer step ``step`` (0-based) under the configured schedule, times ``kl_weight_factor``."""
     if cfg.kl_schedule == "constant":
-        return cfg.kl_weight
+        return cfg.effective_kl_weight
     period = cfg.max_steps if cfg.kl_schedule == "delay-ramp" else max(1, cfg.max_steps // cfg.kl_cycles)
     frac = (step % period) / period if cfg.kl_schedule == "cyclical" else step / period
     if frac < cfg.kl_delay_fraction:
         return 0.0
     if cfg.kl_ramp_fraction == 0:
-        return cfg.kl_weight
-    return cfg.kl_weight * min(1.0, (frac - cfg.kl_delay_fraction) / cfg.kl_ramp_fraction)
+        return cfg.effective_kl_weight
+    return cfg.effective_kl_weight * min(1.0, (frac - cfg.kl_delay_fraction) / cfg.kl_ramp_fraction)
 
 
 def lr_factor_at(cfg: TrainConfig, step: int) -> float:

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "all_reduce", "barrier", "dist_info", "free_cpu_cores", "init_distributed", "reduce_metrics"]
+__all__ = ["DistInfo", "all_reduce", "barrier", "busy_cpu_cores", "dist_info", "flush_denormals", "free_cpu_cores", "init_distributed", "reduce_metrics"]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
@@ -202,15 +202,57 @@ def _available_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def free_cpu_cores() -> int:
-    """Cores not already busy (1-minute load average), at least 1.
+def _cpu_times(cpus) -> dict[int, tuple[int, int]] | None:
+    """(idle, total) jiffies per CPU id in ``cpus`` from /proc/stat, or None where it cannot be read."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = {}
+    for line in lines:
+        name, *fields = line.split()
+        if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus):
+            continue
+        ticks = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+        out[int(name[3:])] = (ticks[3] + ticks[4], sum(ticks))
+    return out if len(out) == len(cpus) else None
+
+
+def busy_cpu_cores(interval: float = 0.2) -> float | None:
+    """Cores of this process's affinity set busy over the next ``interval`` seconds (0..cores), from
+    /proc/stat; None where it cannot be read (then callers fall back to the load average)."""
+    import time
+
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    before = _cpu_times(cpus)
+    if before is None:
+        return None
+    time.sleep(interval)
+    after = _cpu_times(cpus)
+    if after is None:
+        return None
+    busy = 0.0
+    for cpu in cpus:
+        d_idle, d_total = after[cpu][0] - before[cpu][0], after[cpu][1] - before[cpu][1]
+        busy += 0.0 if d_total <= 0 else 1.0 - d_idle / d_total
+    return busy
+
+
+def free_cpu_cores(*, interval: float = 0.2) -> int:
+    """Cores idle right now (sampled over ``interval`` s of /proc/stat), at least 1.
 
     Why not all of them: a tiny model's ops are short, and OpenMP threads that share a core with
     another process spin-wait on each other; on 2 loaded cores 2 threads ran 20x slower than 1.
+    Why not the load average: its 1-minute window still counts the caller's own previous stage (the
+    demo's pretraining), which left the demo on 1 of 2 idle cores. Without /proc/stat (not Linux) the
+    1-minute load average is the fallback.
     """
     cores = _available_cores()
-    try:
-        busy = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        busy = 0.0
+    busy = busy_cpu_cores(interval)
+    if busy is None:
+        try:
+            busy = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            busy = 0.0
     return max(1, min(cores, cores - int(busy + 0.5)))

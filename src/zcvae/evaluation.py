@@ -16,7 +16,7 @@ of a different batch composition.
 What is measured (one pass over the validation set, then greedy decoding of a prefix of it):
 
 * Losses: the example mean of the six reconstruction terms, ``kl``, the objective ``loss`` (with the
-  final KL weight ``cfg.kl_weight``, the auxiliary weights of the run, and the router's marginal
+  final KL weight ``cfg.effective_kl_weight``, the auxiliary weights of the run, and the router's marginal
   terms evaluated on the mean q of the whole set), every diagnostic of ``losses.reconstruction_terms``
   reduced as in training (mean, or min/max for ``num_tokens_min``/``num_tokens_max``), and ``c_base``.
   Gaussian latents: the S branch samples use noise drawn from a generator seeded by
@@ -279,7 +279,7 @@ def _example_pass(*, engine, model, cfg, val, reference, indices, keep) -> list[
         if ref_nll_BN.shape != out.mask.shape:
             raise RuntimeError(f"reference NLL has shape {tuple(ref_nll_BN.shape)}, the model's span mask {tuple(out.mask.shape)}")
         terms = per_example_objective(
-            out, ref_nll_BN=ref_nll_BN, c_base=c_base, recon_config=recon_cfg, kl_weight=cfg.kl_weight, aux=aux
+            out, ref_nll_BN=ref_nll_BN, c_base=c_base, recon_config=recon_cfg, kl_weight=cfg.effective_kl_weight, aux=aux
         )
         terms_cpu = {name: value.detach().to("cpu", torch.float64) for name, value in terms.items()}
         mask_BN = out.mask.to("cpu")

@@ -16,7 +16,8 @@ Values are written losslessly and read back with the type of the default value:
 - ``bool`` -> ``true`` / ``false``; ``int`` -> decimal; ``None`` -> ``None``;
 - ``float`` -> the shortest text that parses back to the same float (``repr``; integral floats below 1e16 as
   ``3``; the exponent's ``+`` dropped: ``1e20``; ``-0`` keeps its sign; ``inf``, ``-inf``, ``nan``);
-- ``str`` only if it matches ``[A-Za-z0-9.]+`` and reads back as the same string.
+- ``str`` only if it matches ``[A-Za-z0-9.]+`` and reads back as the same string (the ``objective``
+  field may also use ``+``: ``obj-raw+dist``).
 
 Values that cannot be written this way (paths and other strings with ``/``, ``_``, ``-`` or spaces; strings
 such as ``"123"`` or ``"inf"`` for a field whose default is not a string; lists; dicts) are *hashed*: they do
@@ -64,6 +65,7 @@ AGGREGATION_MODE_FIELD = "reconstruction_loss_token_aggregation_mode"
 # Order matters: it is the order of the parts in a name.
 ABBREVIATIONS: dict[str, str] = {
     AGGREGATION_MODE_FIELD: "agg",
+    "objective": "obj",
     "task": "task",
     "latent_type": "lat",
     "num_latents": "K",
@@ -77,6 +79,7 @@ ABBREVIATIONS: dict[str, str] = {
     "example_inverse_surprisal_epsilon": "exeps",
     "inverse_surprisal_token_weight_epsilon": "tokinveps",
     "kl_weight": "beta",
+    "kl_weight_scale": "klscale",
     "lora_learning_rate": "lr",
     "latent_learning_rate": "zlr",
     "lora_r": "r",
@@ -100,6 +103,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "log_every",
     "save_every",
     "keep_last_checkpoints",
+    "kl_weight_factor",  # resolved from the data by the trainer; kl_weight_scale names the choice
 )
 MAX_NAME_LEN = 180
 _TRUNCATION_MARK = "__"
@@ -107,8 +111,11 @@ _TRUNCATION_HASH_LEN = 16
 
 _FIELD_RE = re.compile(r"[A-Za-z0-9]+(?:_[A-Za-z0-9]+)*")
 _SAFE_STR_RE = re.compile(r"[A-Za-z0-9.]+")
+# Objective preset names join terms with "+" (raw+dist); "+" is safe in file names and is no separator.
+_PLUS_FIELDS = frozenset({"objective"})
+_PLUS_STR_RE = re.compile(r"[A-Za-z0-9.+]+")
 _INT_RE = re.compile(r"-?[0-9]+")
-_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
+_NAME_RE = re.compile(r"[A-Za-z0-9._+-]+")
 _UNREADABLE = object()
 _FIELD_FOR_KEY = {abbrev: field for field, abbrev in ABBREVIATIONS.items()}
 assert len(_FIELD_FOR_KEY) == len(ABBREVIATIONS), "abbreviations must be distinct"
@@ -136,8 +143,12 @@ def _order(field: str) -> tuple:
     return (1, 0, field)
 
 
-def format_value(value: Any) -> str | None:
-    """The name text of ``value``, or ``None`` when it cannot be written losslessly (it is then hashed)."""
+def format_value(value: Any, field: str | None = None) -> str | None:
+    """The name text of ``value``, or ``None`` when it cannot be written losslessly (it is then hashed).
+
+    Strings of the fields in ``_PLUS_FIELDS`` (the objective preset) may also contain ``+``."""
+    if field in _PLUS_FIELDS and isinstance(value, str) and _PLUS_STR_RE.fullmatch(value):
+        return value
     if value is None:
         return "None"
     if isinstance(value, bool):
@@ -210,7 +221,7 @@ def _split(
             raise ValueError(f"{field!r}: field names in a run name must be snake case [A-Za-z0-9_]")
         if field == HASH_KEY or (field in _FIELD_FOR_KEY and _FIELD_FOR_KEY[field] != field):
             raise ValueError(f"{field}: clashes with a reserved run-name key; rename the field")
-        text = format_value(value)
+        text = format_value(value, field)
         try:
             back = _UNREADABLE if text is None else parse_value(text, defaults.get(field))
         except ValueError:
@@ -247,7 +258,7 @@ def run_name(
     always: Iterable[str] = (AGGREGATION_MODE_FIELD,),
     exclude: Iterable[str] = DEFAULT_EXCLUDE,
 ) -> str:
-    """A filesystem-safe name (``[A-Za-z0-9._-]``, at most :data:`MAX_NAME_LEN` characters) for ``params``.
+    """A filesystem-safe name (``[A-Za-z0-9._+-]``, ``+`` only from an objective name; at most :data:`MAX_NAME_LEN` characters) for ``params``.
 
     Built from the fields whose values differ from ``defaults`` plus the ``always`` fields; see the module
     docstring for the format, hashing of unwritable values and truncation.
@@ -282,7 +293,7 @@ def parse_run_name(name: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
             "read the parameters from the sweep manifest or the script's '# zcvae-params:' line"
         )
     if not _NAME_RE.fullmatch(name) or name.endswith("_"):
-        raise ValueError(f"{name!r} is not a run name: only [A-Za-z0-9._-] may occur")
+        raise ValueError(f"{name!r} is not a run name: only [A-Za-z0-9._+-] may occur")
     out = dict(defaults)
     pos = 0
     while pos < len(name):

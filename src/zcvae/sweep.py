@@ -1,6 +1,11 @@
 """Expand a run family into named runs and render one SLURM script per run.
 
     python launch/sweep.py FAMILY.yaml --out DIR [--dry-run] [--defaults {auto,config,base}] [--force]
+    zcvae sweep FAMILY.yaml --local --output-dir DIR [--task T] [--jobs N] [--dry-run]   # no SLURM
+
+``--local`` (:func:`local_plan`, :func:`run_local`) trains the runs on this machine instead, one after
+another (or ``--jobs N`` at once, one thread each), skips runs whose final evaluation exists, and prints
+the aggregate table with seed groups as mean ± std.
 
 A family file (YAML or JSON) holds::
 
@@ -57,6 +62,8 @@ __all__ = [
     "SlurmSettings",
     "expand_family",
     "load_family",
+    "local_main",
+    "local_plan",
     "main",
     "params_to_flags",
     "parse_train_flags",
@@ -65,6 +72,8 @@ __all__ = [
     "recover_train_args",
     "render_script",
     "resolve_defaults",
+    "run_finished",
+    "run_local",
     "validate_family",
 ]
 
@@ -269,6 +278,16 @@ def resolve_defaults(
     return defaults, "base"
 
 
+def _preset_defaults(defaults: Mapping[str, Any], params: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``defaults`` with the weights of ``params["objective"]`` when that names a preset."""
+    try:
+        from zcvae.config import OBJECTIVE_PRESETS, preset_values
+    except ImportError:
+        return defaults
+    name = params.get("objective")
+    return {**defaults, **preset_values(name)} if name in OBJECTIVE_PRESETS else defaults
+
+
 def plan_runs(
     family: Mapping[str, Any], defaults: Mapping[str, Any], *, check_known_fields: bool = False
 ) -> list[Run]:
@@ -296,7 +315,10 @@ def plan_runs(
                 raise ValueError(f"{field}: not a field of the config the defaults come from")
             if value is None and defaults.get(field) is not None:
                 raise ValueError(f"{field}: None cannot be passed as a flag and the default is {defaults[field]!r}")
-        name = run_name(params, defaults, always=always)
+        # a run that names an objective preset is named against that preset's weights: obj-dist, not
+        # obj-dist_raw-0_dist-1 (the weights still reach the trainer through --objective)
+        objective_always = ("objective",) if "objective" in params else ()
+        name = run_name(params, _preset_defaults(defaults, params), always=(*always, *objective_always))
         if name in by_name:
             raise ValueError(
                 f"two runs get the same name {name!r}: {json.dumps(by_name[name], sort_keys=True)} and "
@@ -433,11 +455,186 @@ def recover_train_args(script_text: str) -> list[str]:
     return shlex.split(match.group(1))
 
 
+# ---- local runner (no SLURM) ---------------------------------------------------------------------------------
+
+
+def local_plan(family: Mapping[str, Any], *, output_dir: str | Path, task: str | None = None) -> list[Run]:
+    """The family's runs with every run directory under ``output_dir`` and, with ``task``, on that built-in
+    task instead of the family's (``ValueError`` if the family trains on its own JSONL data)."""
+    family = {**family, "base": dict(family.get("base") or {})}
+    if task is not None:
+        if family["base"].get("train_data") is not None:
+            raise ValueError("--task: the family trains on train_data; a built-in task cannot replace it")
+        family["base"]["task"] = task
+    family["base"]["output_dir"] = str(output_dir)
+    config_defaults, _ = resolve_defaults(family, source="config")
+    for field in [*family["base"], *(family.get("grid") or {}), *(f for group in _zip_groups(family) for f in group)]:
+        if field not in config_defaults:
+            raise ValueError(f"{field}: not a zcvae train config field")
+    # named against the family's base: names show what the family varies (agg-sum_obj-dist_seed-2)
+    defaults, _ = resolve_defaults(family, source="base")
+    return plan_runs(family, defaults)
+
+
+def run_finished(run: Run) -> bool:
+    """Whether ``run`` already has its final evaluation (an eval record at its last step)."""
+    from zcvae.aggregate import RunLoadError, load_run
+    from zcvae.config import TrainConfig
+
+    max_steps = int(run.params.get("max_steps", TrainConfig.max_steps))
+    try:
+        summary = load_run(run.params["output_dir"])
+    except RunLoadError:
+        return False
+    return summary.final_eval_step == max_steps
+
+
+def _train_argv(run: Run) -> list[str]:
+    # --resume auto: a run killed midway continues from its newest complete checkpoint (or restarts)
+    return [arg for group in params_to_flags(run.params) for arg in group] + ["--resume", "auto"]
+
+
+def _prebuild_backbones(runs: Sequence[Run], log) -> None:
+    """Pretrain the cached built-in backbone of every task the runs need before any run starts, so
+    parallel runs do not race to build the same cache."""
+    from zcvae.config import TrainConfig
+    from zcvae.trainer import default_backbone
+
+    tasks = {run.params.get("task") for run in runs if run.params.get("backbone") is None and run.params.get("train_data") is None}
+    for task in sorted(tasks, key=str):
+        default_backbone(TrainConfig(task=task), log=log)
+
+
+def run_local(
+    runs: Sequence[Run], *, jobs: int = 1, log=print, progress_bar: bool = True
+) -> tuple[list[Run], list[tuple[Run, str]]]:
+    """Train ``runs`` on this machine; return (runs trained now, [(failed run, why)]).
+
+    Runs whose final evaluation exists are skipped (so an interrupted sweep resumes where it stopped);
+    an unfinished run resumes from its newest complete checkpoint. ``jobs == 1``: one after another in
+    this process (through the ``zcvae train`` argument parser, as a SLURM script would). ``jobs > 1``:
+    that many ``zcvae train`` processes at once, one thread each (``OMP_NUM_THREADS=1``), each logging
+    to ``<run dir>/train.log``.
+    """
+    import os
+    import subprocess
+    import time
+
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    todo = []
+    for run in runs:
+        if run_finished(run):
+            log(f"[sweep] {run.name}: finished, skipped")
+        else:
+            todo.append(run)
+    _prebuild_backbones(todo, log)
+    done: list[Run] = []
+    failed: list[tuple[Run, str]] = []
+    if jobs == 1:
+        from zcvae.cli import build_parser
+
+        for index, run in enumerate(todo):
+            log(f"[sweep] run {index + 1}/{len(todo)}: {run.name}")
+            argv = ["train", *_train_argv(run)] + ([] if progress_bar else ["--no-progress-bar"])
+            args = build_parser().parse_args(argv)
+            try:
+                code = args.func(args)
+            except Exception as err:  # noqa: BLE001 - one failed run must not stop the sweep; it is reported
+                failed.append((run, f"{type(err).__name__}: {err}"))
+                log(f"[sweep] {run.name}: FAILED: {type(err).__name__}: {err}")
+                continue
+            if code == 0:
+                done.append(run)
+            else:
+                failed.append((run, f"exit {code}"))
+        return done, failed
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    pending = list(todo)
+    active: list[tuple[Run, subprocess.Popen, Any]] = []
+    started = 0
+    while pending or active:
+        while pending and len(active) < jobs:
+            run = pending.pop(0)
+            started += 1
+            run_dir = Path(run.params["output_dir"])
+            run_dir.mkdir(parents=True, exist_ok=True)
+            handle = open(run_dir / "train.log", "a", encoding="utf-8")
+            log(f"[sweep] run {started}/{len(todo)}: {run.name} (log: {run_dir / 'train.log'})")
+            proc = subprocess.Popen([sys.executable, "-m", "zcvae", "train", *_train_argv(run), "--no-progress-bar"],
+                                    stdout=handle, stderr=subprocess.STDOUT, env=env)
+            active.append((run, proc, handle))
+        time.sleep(0.2)
+        still = []
+        for run, proc, handle in active:
+            code = proc.poll()
+            if code is None:
+                still.append((run, proc, handle))
+                continue
+            handle.close()
+            if code == 0:
+                done.append(run)
+                log(f"[sweep] {run.name}: done")
+            else:
+                failed.append((run, f"exit {code}, see {Path(run.params['output_dir']) / 'train.log'}"))
+                log(f"[sweep] {run.name}: FAILED (exit {code}), see {Path(run.params['output_dir']) / 'train.log'}")
+        active = still
+    return done, failed
+
+
+def local_table(runs: Sequence[Run]) -> str:
+    """The aggregate table (Markdown, seed groups as mean ± std) of the runs that have a run directory."""
+    from zcvae.aggregate import aggregate_runs, format_table
+
+    dirs = [run.params["output_dir"] for run in runs if (Path(run.params["output_dir"]) / "run_config.json").is_file()]
+    if not dirs:
+        return ""
+    return format_table(aggregate_runs(dirs, group_seeds=True, skip_bad=True), "markdown")
+
+
+def local_main(argv: Sequence[str] | None = None) -> int:
+    """``zcvae sweep FAMILY.yaml --local --output-dir DIR [--task T] [--jobs N] [--dry-run]``; without
+    ``--local`` it renders SLURM scripts exactly as ``launch/sweep.py`` does (``--out DIR``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--local" not in argv:
+        return main(argv)
+    parser = argparse.ArgumentParser(prog="zcvae sweep", description="Run a family's runs on this machine and print the table.")
+    parser.add_argument("family", help="family file (YAML or JSON), e.g. launch/families/pilot.yaml")
+    parser.add_argument("--local", action="store_true", required=True, help="run here, not through SLURM")
+    parser.add_argument("--output-dir", required=True, help="run directories go to DIR/<run_name>; the table to DIR/table.md")
+    parser.add_argument("--task", help="run the family on this built-in task instead of its own (e.g. sort)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each (default 1: one run at a time, threads on the free cores)")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and whether each is finished; train nothing")
+    args = parser.parse_args(argv)
+    try:
+        runs = local_plan(load_family(args.family), output_dir=args.output_dir, task=args.task)
+        if args.dry_run:
+            for run in runs:
+                print(f"{'finished' if run_finished(run) else 'to run  '}  {run.name}")
+            return 0
+        _, failed = run_local(runs, jobs=args.jobs)
+    except ValueError as err:
+        print(f"zcvae sweep: error: {err}", file=sys.stderr)
+        return 2
+    table = local_table(runs)
+    if table:
+        print()
+        print(table, end="")
+        (Path(args.output_dir) / "table.md").write_text(table, encoding="utf-8")
+    for run, why in failed:
+        print(f"zcvae sweep: {run.name} failed: {why}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 # ---- command line --------------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="launch/sweep.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="launch/sweep.py", description=__doc__.split("\n\n")[0],
+        epilog="Without SLURM: zcvae sweep FAMILY --local --output-dir DIR [--task T] [--jobs N] [--dry-run] "
+        "runs the family here (see `zcvae sweep FAMILY --local --help`).")
     parser.add_argument("family", help="family file (YAML or JSON)")
     parser.add_argument("--out", required=True, help="directory for the scripts, manifest.jsonl and logs/")
     parser.add_argument("--dry-run", action="store_true", help="print the runs, write nothing")

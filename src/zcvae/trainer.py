@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from zcvae import __version__
-from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at
+from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at, train_run_name
 from zcvae.convert import conversion_record, describe_conversion, resolve_backbone_path
 from zcvae.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
 from zcvae.distributed import flush_denormals, free_cpu_cores, init_distributed, reduce_metrics
@@ -247,20 +247,25 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     from zcvae.engines import build_engine
     from zcvae.evaluation import evaluate
     from zcvae.model import ZCVAE
-    from zcvae.naming import run_name as derive_run_name
     from zcvae.reference import ReferenceProvider
 
     # 1. processes, seeds, run directory
     info = init_distributed(require_group=cfg.engine == "deepspeed")
     is_main = info.rank == 0
-    flush_denormals(log=log if is_main else None)
-    if info.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # OpenMP threads sharing a busy core spin-wait on each other: on 2 loaded cores a CVAE step
-        # with 2 threads ran up to 10x slower than with 1 (torchrun sets OMP_NUM_THREADS=1 itself).
-        torch.set_num_threads(free_cpu_cores())
+    flushes = flush_denormals(log=log if is_main else None)
+    threads_from = "torch default"
+    if info.device.type == "cpu":
+        if "OMP_NUM_THREADS" in os.environ:
+            threads_from = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+        else:
+            # OpenMP threads sharing a busy core spin-wait on each other: on 2 loaded cores a CVAE step
+            # with 2 threads ran up to 10x slower than with 1 (torchrun sets OMP_NUM_THREADS=1 itself).
+            torch.set_num_threads(free_cpu_cores())
+            threads_from = "free cores (/proc/stat)"
+    cpu = {"flush_denormals": flushes, "num_threads": torch.get_num_threads(), "num_threads_from": threads_from}
     seed_everything(cfg.seed)
     if cfg.run_name is None:
-        cfg.run_name = derive_run_name(cfg.to_dict(), TrainConfig().to_dict())
+        cfg.run_name = train_run_name(cfg.to_dict())
     run_dir = Path(cfg.output_dir)
     say = log if is_main else (lambda *a, **k: None)
     prepare_run_dir(run_dir, resume=cfg.resume is not None, overwrite=overwrite, is_main=is_main, log=say,
@@ -288,6 +293,11 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
                                  f"example {report.unknown_example!r}): the backbone's tokenizer does not fit the data")
     if not train_enc or not val_enc:
         raise ValueError(f"no usable example left: train {len(train_enc)}, val {len(val_enc)} (see the skip messages above)")
+    if cfg.kl_weight_scale == "tokens" and cfg.kl_weight_factor is None:
+        # the explicit beta control of sum aggregation: sum scales reconstruction by ~mean n_i, so
+        # beta x mean n_i keeps the KL's share of J where mean aggregation has it (seed 001)
+        cfg.kl_weight_factor = float(np.mean([ex.num_supervised for ex in val_enc]))
+        say(f"[kl] kl-weight-scale tokens: beta {cfg.kl_weight:g} x validation mean n_i {cfg.kl_weight_factor:.4g} = {cfg.effective_kl_weight:.4g}")
     model.calibrate(collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots))
 
     # 3. engine and optimizer; fail loudly if a latent parameter would not train
@@ -326,7 +336,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
             truncate_metrics(run_dir / METRICS, after_step=start_step)
 
     if is_main:
-        write_json_atomic(run_dir / RUN_CONFIG, run_metadata(cfg, backbone, info.world_size, splits, train_report, val_report, reference))
+        write_json_atomic(run_dir / RUN_CONFIG, run_metadata(cfg, backbone, info.world_size, splits, train_report, val_report, reference, cpu=cpu))
     logger = RunLogger(run_dir, enabled=is_main)
     say(f"[run] {cfg.run_name}: {len(train_enc)} train / {len(val_enc)} val examples, world {info.world_size}, "
         f"engine {cfg.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
@@ -393,9 +403,13 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     return final
 
 
-def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, reference) -> dict:
+def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, reference, *, cpu=None) -> dict:
     return {
         "config": cfg.to_dict(),
+        "objective": cfg.objective,
+        "kl_weight_factor": 1.0 if cfg.kl_weight_factor is None else cfg.kl_weight_factor,
+        # measured at start-up: whether a subnormal times 1 came out 0, and the threads the steps ran on
+        "cpu": cpu,
         "backbone": str(Path(backbone).resolve()),
         # the GGUF file and quantization the weights were dequantized from; None for a plain checkpoint
         "backbone_conversion": conversion_record(backbone),

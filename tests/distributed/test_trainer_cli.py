@@ -60,7 +60,7 @@ PRETRAIN = ["--task", "copy", "--max-steps", "40", "--num-train-examples", "512"
 COMMON = ["--task", "copy", "--num-train-examples", "48", "--num-val-examples", str(NUM_VAL),
           "--num-eval-decode-examples", "2", "--micro-batch-size", str(MICRO), "--num-latents", str(NUM_LATENTS),
           "--log-every", "1", "--no-progress-bar", "--warmup-steps", "1",
-          "--normalized-inverse-surprisal-token-weighted-reconstruction-weight", "0.5"]
+          "--reconstruction-weight", "1", "--normalized-inverse-surprisal-token-weighted-reconstruction-weight", "0.5"]
 
 # Learning rates: Adam turns ~1e-7 float noise on near-zero gradient entries into parameter differences
 # of the order of the learning rate, which later steps show. Measured on this machine: at the default

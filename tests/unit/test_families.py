@@ -1,0 +1,93 @@
+"""The shipped family files (launch/families/*.yaml): the runs each one promises, every run's parameters
+recovered from its rendered SLURM script (mode included), and the README's sweep command."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from zcvae.cli import build_parser, resolve_train_config
+from zcvae.config import BEST_HYBRID, RECONSTRUCTION_WEIGHT_FIELDS, TrainConfig, preset_values
+from zcvae.sweep import (
+    DEFAULT_TEMPLATE,
+    SlurmSettings,
+    load_family,
+    local_plan,
+    plan_runs,
+    recover_params,
+    recover_train_args,
+    render_script,
+    resolve_defaults,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+FAMILIES = REPO / "launch" / "families"
+SEEDS = {0, 1, 2}
+
+
+def _arms(path):
+    """(objective, mode, kl_weight_scale, alpha, beta, seed) of every run, read back through `zcvae train`."""
+    family = load_family(path)
+    defaults, _ = resolve_defaults(family, source="config")
+    runs = plan_runs(family, defaults, check_known_fields=True)
+    template = DEFAULT_TEMPLATE.read_text()
+    slurm = SlurmSettings.from_dict(family.get("slurm"))
+    out = []
+    for run in runs:
+        script = render_script(template_text=template, run=run, slurm=slurm, log_dir="/tmp/logs")
+        assert recover_params(script) == run.params
+        cfg = resolve_train_config(build_parser().parse_args(["train", *recover_train_args(script)]))
+        # the script trains exactly the preset (no weight flag in the family overrides it)
+        expected = {**preset_values(cfg.objective)}
+        for field in RECONSTRUCTION_WEIGHT_FIELDS:
+            assert getattr(cfg, field) == expected[field], (run.name, field)
+        if "token_weight_alpha" in run.params:
+            assert cfg.token_weight_alpha == run.params["token_weight_alpha"]
+        elif "token_weight_alpha" in expected:
+            assert cfg.token_weight_alpha == expected["token_weight_alpha"]
+        assert cfg.reconstruction_loss_token_aggregation_mode == run.params["reconstruction_loss_token_aggregation_mode"]
+        assert f"agg-{cfg.reconstruction_loss_token_aggregation_mode}" in run.name and cfg.run_name == run.name
+        out.append((cfg.objective, cfg.reconstruction_loss_token_aggregation_mode, cfg.kl_weight_scale,
+                    cfg.token_weight_alpha, cfg.kl_weight, cfg.seed))
+    assert len(set(out)) == len(out)
+    return out
+
+
+def test_pilot_family_is_seed_001s_pilot():
+    arms = _arms(FAMILIES / "pilot.yaml")
+    expected = {("dist", m, "none") for m in ("mean", "sum")} | {("tokcc", m, "none") for m in ("mean", "sum")}
+    expected |= {(BEST_HYBRID, m, "none") for m in ("mean", "sum")}
+    expected |= {("raw", "mean", "none"), ("raw", "sum", "none"), ("raw", "sum", "tokens")}
+    assert {a[:3] for a in arms} == expected
+    for arm in expected:
+        assert {a[5] for a in arms if a[:3] == arm} == SEEDS
+    assert len(arms) == 27 and {a[4] for a in arms} == {1.0}
+
+
+def test_alpha_family():
+    arms = _arms(FAMILIES / "alpha.yaml")
+    assert {(a[0], a[1], a[3]) for a in arms} == {("tokcc", m, al) for m in ("mean", "sum") for al in (0.0, 0.5, 1.0, 2.0)}
+    assert len(arms) == 8 * 3 and {a[5] for a in arms} == SEEDS
+
+
+def test_beta_family():
+    arms = _arms(FAMILIES / "beta.yaml")
+    objectives = {"raw", "dist", "tokcc", BEST_HYBRID}
+    assert {(a[0], a[4]) for a in arms} == {(o, b) for o in objectives for b in (0.3, 1.0, 3.0)}
+    assert {a[1] for a in arms} == {"mean", "sum"} and len(arms) == 4 * 3 * 2 * 3
+
+
+@pytest.mark.parametrize("name", ["pilot", "alpha", "beta"])
+def test_local_plan_overrides_task_and_output_dir(name, tmp_path):
+    runs = local_plan(load_family(FAMILIES / f"{name}.yaml"), output_dir=tmp_path, task="sort")
+    assert all(r.params["task"] == "sort" and r.params["output_dir"] == str(tmp_path / r.name) for r in runs)
+    assert all(re.fullmatch(r"agg-(mean|sum)_obj-[a-z+]+_.*seed-[012]", r.name) for r in runs)
+    TrainConfig.from_dict({k: v for k, v in runs[0].params.items()})  # every param is a config field
+
+
+def test_readme_sweep_commands_name_files_that_exist():
+    text = (REPO / "README.md").read_text() + (REPO / "launch" / "README.md").read_text()
+    commands = re.findall(r"(?:python launch/sweep\.py|zcvae sweep) ([a-z]\S*\.yaml)", text)
+    assert commands, "the README shows a sweep command"
+    for family in commands:
+        assert (REPO / family).is_file(), family

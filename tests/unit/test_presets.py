@@ -1,0 +1,147 @@
+"""Objective presets: expansion, explicit weight flags win, 'custom', the default preset, names, the table,
+and kl-weight-scale (issue 10 section 2)."""
+
+import json
+
+import pytest
+
+from zcvae.aggregate import aggregate_runs, format_table
+from zcvae.cli import build_parser, resolve_train_config
+from zcvae.config import (
+    DEFAULT_OBJECTIVE,
+    OBJECTIVE_PRESETS,
+    RECONSTRUCTION_WEIGHT_FIELDS,
+    TrainConfig,
+    kl_weight_at,
+    parse_train_run_name,
+    train_run_name,
+)
+from zcvae.losses import ReconstructionLossConfig, reconstruction_weights
+
+RAW, DIST, EX, TOK, TOKCC, TOKINV = RECONSTRUCTION_WEIGHT_FIELDS
+
+
+def train_cfg(*argv):
+    """A config exactly as `zcvae train ARGV` resolves it."""
+    return resolve_train_config(build_parser().parse_args(["train", *argv]))
+
+
+def weights(cfg):
+    return {f: getattr(cfg, f) for f in RECONSTRUCTION_WEIGHT_FIELDS}
+
+
+# each preset written out by hand (independently of OBJECTIVE_PRESETS): weights, then alpha
+EXPECTED = {
+    "raw": ({RAW: 1.0}, 1.0),
+    "dist": ({DIST: 1.0}, 1.0),
+    "tokcc": ({TOKCC: 1.0}, 0.5),
+    "tokinv": ({TOKINV: 1.0}, 1.0),
+    "ex": ({EX: 1.0}, 1.0),
+    "raw+tokcc": ({RAW: 1.0, TOKCC: 1.0}, 0.5),
+    "raw+dist": ({RAW: 1.0, DIST: 1.0}, 1.0),
+}
+
+
+def test_the_issue_presets_exist_by_exact_name():
+    assert set(OBJECTIVE_PRESETS) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_objective_flag_expands_to_all_six_weights_and_alpha(name):
+    cfg = train_cfg("--objective", name)
+    expected_weights, alpha = EXPECTED[name]
+    assert weights(cfg) == {f: expected_weights.get(f, 0.0) for f in RECONSTRUCTION_WEIGHT_FIELDS}
+    assert cfg.token_weight_alpha == alpha and cfg.objective == name
+
+
+def test_objective_raw_reproduces_the_library_defaults():
+    lib = ReconstructionLossConfig()
+    assert reconstruction_weights(train_cfg("--objective", "raw").reconstruction_config()) == reconstruction_weights(lib)
+    assert train_cfg("--objective", "raw").token_weight_alpha == lib.token_weight_alpha
+    assert TrainConfig().objective == "raw" and weights(TrainConfig()) == weights(train_cfg("--objective", "raw"))
+
+
+def test_explicit_weight_flags_win_entry_by_entry():
+    cfg = train_cfg("--objective", "raw+tokcc", "--reconstruction-weight", "0.25", "--token-weight-alpha", "2")
+    assert cfg.objective == "raw+tokcc"
+    assert weights(cfg) == {**{f: 0.0 for f in RECONSTRUCTION_WEIGHT_FIELDS}, RAW: 0.25, TOKCC: 1.0}
+    assert cfg.token_weight_alpha == 2.0
+
+
+def test_weight_flags_without_objective_are_exactly_the_objective():
+    cfg = train_cfg("--distribution-normalized-reconstruction-weight", "1", "--reconstruction-weight", "0")
+    assert cfg.objective == "custom" and weights(cfg) == {**{f: 0.0 for f in RECONSTRUCTION_WEIGHT_FIELDS}, DIST: 1.0}
+    cfg = train_cfg("--token-weighted-reconstruction-weight", "0.5")
+    assert cfg.objective == "custom" and cfg.reconstruction_weight == 0.0 and cfg.token_weighted_reconstruction_weight == 0.5
+
+
+def test_no_objective_flags_give_the_default_preset(tmp_path):
+    cfg = train_cfg()
+    assert cfg.objective == DEFAULT_OBJECTIVE
+    assert weights(cfg) == weights(train_cfg("--objective", DEFAULT_OBJECTIVE))
+    # a config file counts like flags
+    path = tmp_path / "c.yaml"
+    path.write_text("objective: dist\ndistribution_normalized_reconstruction_weight: 2\n")
+    cfg = train_cfg("--config", str(path))
+    assert cfg.objective == "dist" and weights(cfg)[DIST] == 2.0 and weights(cfg)[RAW] == 0.0
+
+
+def test_unknown_objective_is_refused_by_name():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--objective", "raw+ex"])
+    with pytest.raises(ValueError, match="objective"):
+        TrainConfig.from_dict({"objective": "bogus"})
+
+
+def test_a_saved_config_reloads_unchanged():
+    cfg = train_cfg("--objective", "tokcc", "--reconstruction-weight", "0.5", "--kl-weight-scale", "tokens")
+    again = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_run_name_shows_objective_and_kl_scale_and_parses_back():
+    cfg = train_cfg("--objective", "raw+tokcc", "--reconstruction-loss-token-aggregation-mode", "sum",
+                    "--kl-weight-scale", "tokens", "--seed", "2")
+    name = train_run_name(cfg.to_dict())
+    assert name == "agg-sum_obj-raw+tokcc_klscale-tokens_seed-2"
+    back = parse_train_run_name(name)
+    for field in (*RECONSTRUCTION_WEIGHT_FIELDS, "token_weight_alpha", "objective", "kl_weight_scale", "seed",
+                  "reconstruction_loss_token_aggregation_mode"):
+        assert back[field] == getattr(cfg, field), field
+    # an override of a preset entry is named; the preset's own weights are not
+    name = train_run_name(train_cfg("--objective", "tokcc", "--token-weight-alpha", "1").to_dict())
+    assert name == "agg-mean_obj-tokcc_alpha-1"
+
+
+def test_kl_weight_scale_multiplies_beta_through_the_schedule():
+    cfg = TrainConfig(max_steps=100, kl_weight=2.0, kl_schedule="constant", kl_weight_scale="tokens", kl_weight_factor=7.5)
+    assert kl_weight_at(cfg, 0) == 15.0 and cfg.effective_kl_weight == 15.0
+    ramp = TrainConfig(max_steps=100, kl_weight=2.0, kl_weight_scale="tokens", kl_weight_factor=4.0)
+    assert kl_weight_at(ramp, 10) == 0.0 and kl_weight_at(ramp, 40) == pytest.approx(4.0) and kl_weight_at(ramp, 99) == 8.0
+    with pytest.raises(ValueError, match="kl_weight_factor"):
+        TrainConfig(kl_weight_factor=3.0)  # a factor without the tokens scale
+
+
+def _write_run(root, name, config, factor, nmi):
+    run = root / name
+    run.mkdir()
+    (run / "run_config.json").write_text(json.dumps({"config": config, "kl_weight_factor": factor}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 3, "split": "eval", "nmi": nmi}) + "\n")
+    return run
+
+
+def test_aggregate_table_shows_objective_and_kl_schedule(tmp_path):
+    runs = []
+    for seed, factor in ((0, 7.0), (1, 7.5)):
+        cfg = train_cfg("--objective", "raw", "--reconstruction-loss-token-aggregation-mode", "sum",
+                        "--kl-weight-scale", "tokens", "--seed", str(seed)).to_dict()
+        cfg.update(kl_weight_factor=factor, run_name=f"raw-sum-tokens_seed-{seed}")
+        runs.append(_write_run(tmp_path, f"s{seed}", cfg, factor, 0.5 + seed))
+    cyc = train_cfg("--objective", "dist", "--kl-schedule", "cyclical", "--kl-weight", "3").to_dict()
+    runs.append(_write_run(tmp_path, "cyc", {**cyc, "run_name": "cyc"}, 1.0, 0.0))
+    rows = aggregate_runs(runs)
+    assert len(rows) == 2 and rows[0]["n"] == 2  # the factor differs per seed but the setting is one group
+    assert rows[0]["objective"] == "raw" and rows[0]["kl_schedule"] == "delay-ramp 0.3+0.2; beta x 7-7.5 (tokens)"
+    assert rows[1]["objective"] == "dist" and rows[1]["beta"] == 3.0 and rows[1]["kl_schedule"] == "cyclical x4 0.3+0.2"
+    header = format_table(rows).splitlines()[0]
+    assert "| objective |" in header and "| beta | kl_schedule |" in header
