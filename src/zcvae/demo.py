@@ -32,7 +32,7 @@ PILOT: tuple[tuple[str, str], ...] = (
 
 # The demo's compute budget, in one place: backbone pretraining steps, then steps x batch per run.
 # Measured target: the whole demo (pretraining + the 7 runs + evaluation) <= 600 s on 2 idle cores.
-DEMO_BUDGET = {"pretrain_steps": 800, "max_steps": 300, "micro_batch_size": 32}
+DEMO_BUDGET = {"pretrain_steps": 800, "max_steps": 300, "micro_batch_size": 64}
 # Runs at once (one thread each when > 1; 1 = one run at a time on all free cores). See BENCHMARKS.md.
 DEMO_JOBS = 2
 
