@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from zcvae.distributed import flush_denormals, free_cpu_cores
+from zcvae.rundir import builtin_backbone_dir
 from zcvae.templates import (
     IGNORE_INDEX,
     NUM_FRAME_TOKENS,
@@ -201,6 +202,18 @@ def tiny_llama_config(
         tie_word_embeddings=False,
         use_cache=True,
     )
+
+
+def builtin_backbone(task: str | None, *, log=print) -> Path:
+    """The built-in tiny backbone pretrained on ``task`` (seed 0), built once into the cache
+    (``rundir.builtin_backbone_dir``) and reused."""
+    pcfg = PretrainConfig(task=task, seed=0)
+    cache = builtin_backbone_dir(pcfg.task)
+    pcfg.output_dir = str(cache)
+    if not is_pretrained(cache):
+        log(f"[backbone] pretraining the built-in backbone into {cache}")
+        pretrain(pcfg, log=log)
+    return cache
 
 
 def is_pretrained(output_dir: str | os.PathLike) -> bool:

@@ -68,11 +68,9 @@ V vocabulary.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,6 +91,7 @@ from zcvae.metrics import (
     plot_latent_figure,
     reachable_nmi,
 )
+from zcvae.rundir import CHECKPOINTS, RUN_CONFIG, LATENTS_FIGURE, atomic_write, atomic_write_json, eval_step_file, read_run_record
 from zcvae.templates import EncodedExample, TemplateTokens, collate
 
 __all__ = [
@@ -679,32 +678,21 @@ def _jsonable(value: Any) -> Any:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(_jsonable(data), handle, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    atomic_write_json(path, _jsonable(data))
 
 
 def _publish_latest(figure: Path, latest: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=latest.parent, prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    shutil.copyfile(figure, tmp)
-    os.replace(tmp, latest)  # a viewer never sees a half-written "latest" figure
+    atomic_write(latest, lambda tmp: shutil.copyfile(figure, tmp))  # a viewer never sees a half-written "latest" figure
 
 
 def _write_outputs(run_dir: Path, step: int, scalars: dict[str, float], details: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(run_dir / f"eval_step{step}.json", {"step": step, "metrics": scalars, **details})
+    _write_json(run_dir / eval_step_file(step), {"step": step, "metrics": scalars, **details})
     if "confusion" in details and "latent_usage" in details:
         figure = run_dir / f"latents_step{step}.png"
         plot_latent_figure(details["confusion"], details["confusion_latent_labels"], details["confusion_strategy_labels"],
                            details["latent_usage"], figure, title=f"step {step}")
-        _publish_latest(figure, run_dir / "latents.png")
+        _publish_latest(figure, run_dir / LATENTS_FIGURE)
     if "info_gain" in details:
         figure = run_dir / f"information_gain_step{step}.png"
         plot_information_gain(details["info_gain"]["mean_by_position"], figure,
@@ -815,21 +803,16 @@ def evaluate_run(
 
     flush_denormals()
     run_dir = Path(run_dir)
-    record_path = run_dir / "run_config.json"
+    record_path = run_dir / RUN_CONFIG
     if not record_path.is_file():
-        raise ValueError(f"run_dir: {str(run_dir)!r} has no run_config.json (not a run directory)")
-    try:
-        record = json.loads(record_path.read_text())
-    except ValueError as err:
-        raise ValueError(f"run_dir: {str(record_path)!r} is not valid JSON: {err}") from None
-    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
-        raise ValueError(f"run_dir: {str(record_path)!r} has no 'config' mapping")
+        raise ValueError(f"run_dir: {str(run_dir)!r} has no {RUN_CONFIG} (not a run directory)")
+    record = read_run_record(run_dir)
     cfg = TrainConfig.from_dict(dict(record["config"]), source=str(record_path))
     # One process, no optimizer: whatever engine the run used, evaluation needs only its forward.
     cfg.engine, cfg.deepspeed_config, cfg.cpu_offload, cfg.precision = "local", None, False, "fp32"
     cfg.reference_policy = "online"  # a store would also compute b of every training example
 
-    ckpt = resolve_checkpoint(checkpoint) if checkpoint is not None else (checkpoint_dirs(run_dir / "checkpoints") or [None])[-1]
+    ckpt = resolve_checkpoint(checkpoint) if checkpoint is not None else (checkpoint_dirs(run_dir / CHECKPOINTS) or [None])[-1]
     if ckpt is None:
         raise ValueError(f"run_dir: {str(run_dir)!r} has no complete checkpoint under checkpoints/ (did training finish?)")
     step = int(read_meta(ckpt).get("step", cfg.max_steps))

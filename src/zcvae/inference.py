@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from zcvae.checkpoint import checkpoint_dirs, load_trainable_state, resolve_checkpoint
+from zcvae.checkpoint import checkpoint_dirs, load_trainable_state, read_meta, resolve_checkpoint
+from zcvae.rundir import CHECKPOINTS, RUN_CONFIG, builtin_backbone_dir, iter_metric_records, read_json, read_run_record
 
 __all__ = [
     "EXPORT_META",
@@ -58,8 +59,6 @@ __all__ = [
     "prepare_base",
 ]
 
-RUN_CONFIG = "run_config.json"
-METRICS = "metrics.jsonl"
 EXPORT_META = "zcvae_export.json"
 LATENT_HEADS = "latent_heads.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -72,24 +71,6 @@ _BASE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_l
 
 
 # --------------------------------------------------------------------------- run records
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{what}: {str(path)!r} does not exist") from None
-    except ValueError as err:
-        raise ValueError(f"{what}: {str(path)!r} is not valid JSON: {err}") from None
-
-
-def read_run_record(directory: str | os.PathLike) -> dict[str, Any]:
-    """``run_config.json`` of a run or export directory; ValueError naming the file."""
-    path = Path(directory) / RUN_CONFIG
-    record = _read_json(path, "run config")
-    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
-        raise ValueError(f"run config: {str(path)!r} has no 'config' mapping (the resolved TrainConfig)")
-    return record
-
-
 def _train_config(record: dict[str, Any], source: Path):
     from zcvae.config import TrainConfig
 
@@ -97,10 +78,10 @@ def _train_config(record: dict[str, Any], source: Path):
 
 
 def _builtin_backbone(cfg) -> Path:
-    # Mirrors trainer.default_backbone without its side effect (it would pretrain a missing backbone).
+    # The path of trainer.default_backbone without its side effect (it would pretrain a missing backbone).
     from zcvae.backbone import is_pretrained
 
-    cache = Path(os.environ.get("ZCVAE_CACHE", Path.home() / ".cache" / "zcvae")) / "backbones" / f"{cfg.task or 'default'}"
+    cache = builtin_backbone_dir(cfg.task)
     if not is_pretrained(cache):
         raise ValueError(
             f"the run used the built-in backbone {str(cache)!r}, which is missing: rebuild it with "
@@ -127,7 +108,7 @@ def resolve_backbone(cfg, *, override: str | None = None, recorded: str | None =
 
 
 def _base_config(backbone: str) -> dict[str, Any]:
-    config = _read_json(Path(backbone) / "config.json", "backbone config")
+    config = read_json(Path(backbone) / "config.json", what="backbone config")
     return {k: config[k] for k in _BASE_KEYS if k in config}
 
 
@@ -174,7 +155,7 @@ def _newest_checkpoint(run_dir: Path, checkpoint: str | None) -> Path:
         path = resolve_checkpoint(checkpoint)
         assert path is not None
         return path
-    found = checkpoint_dirs(run_dir / "checkpoints")
+    found = checkpoint_dirs(run_dir / CHECKPOINTS)
     if not found:
         raise ValueError(f"run {str(run_dir)!r} has no complete checkpoint under checkpoints/ (did training finish?)")
     return found[-1]
@@ -248,7 +229,7 @@ def prepare_base(backbone: str | os.PathLike, export_dir: str | os.PathLike, *, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     export_dir = Path(export_dir)
-    meta = _read_json(export_dir / EXPORT_META, "export")
+    meta = read_json(export_dir / EXPORT_META, what="export")
     _check_base(meta, str(backbone), export_dir)
     tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     base = AutoModelForCausalLM.from_pretrained(backbone, local_files_only=True, use_safetensors=True, trust_remote_code=trust_remote_code)
@@ -271,16 +252,9 @@ def _check_base(meta: dict[str, Any], backbone: str, export_dir: Path) -> None:
 # --------------------------------------------------------------------------- export
 def _final_metrics(run_dir: Path) -> tuple[int | None, dict[str, float]]:
     """(step, metrics) of the last eval record of metrics.jsonl (a resumed run may repeat steps)."""
-    path = run_dir / METRICS
-    if not path.is_file():
-        return None, {}
     last: dict[str, Any] | None = None
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(record, dict) and record.get("split") == "eval":
+    for record in iter_metric_records(run_dir):
+        if record.get("split") == "eval":
             last = record
     if last is None:
         return None, {}
@@ -431,7 +405,7 @@ def export_run(
     try:
         model = _build_model(cfg, backbone, trust_remote_code=trust_remote_code, device="cpu")
         _load_checkpoint_into(model, ckpt)
-        step = int(json.loads((ckpt / "meta.json").read_text())["step"])
+        step = int(read_meta(ckpt)["step"])
 
         # LoRA + z rows under peft's own names; never the (resized) embedding matrix
         adapter = get_peft_model_state_dict(model.peft_model, save_embedding_layers=False)
@@ -501,7 +475,7 @@ def load_for_inference(
     record = read_run_record(path)
     cfg = _train_config(record, path / RUN_CONFIG)
     if (path / LATENT_HEADS).is_file():
-        meta = _read_json(path / EXPORT_META, "export")
+        meta = read_json(path / EXPORT_META, what="export")
         backbone = resolve_backbone(cfg, override=backbone, recorded=meta.get("backbone"))
         _check_base(meta, backbone, path)
         model = _build_model(cfg, backbone, trust_remote_code=trust_remote_code, device=None)
@@ -526,7 +500,7 @@ def load_for_inference(
         except RuntimeError as err:
             raise ValueError(f"{str(path / LATENT_HEADS)!r} does not fit the model: {err}") from None
         _write_added_rows(model.peft_model, heads)
-    elif (path / "checkpoints").is_dir() or checkpoint is not None:
+    elif (path / CHECKPOINTS).is_dir() or checkpoint is not None:
         ckpt = _newest_checkpoint(path, checkpoint)
         backbone = resolve_backbone(cfg, override=backbone, recorded=record.get("backbone"))
         model = _build_model(cfg, backbone, trust_remote_code=trust_remote_code, device=None)

@@ -54,7 +54,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -64,6 +63,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from zcvae.rundir import atomic_write
 from zcvae.losses import AGGREGATION_MODES, base_loss
 from zcvae.templates import Batch, EncodedExample, TemplateTokens, collate
 
@@ -517,17 +517,7 @@ def store_path(cache_dir: str | os.PathLike | None, name: str, fingerprint: str)
 
 
 def _atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, write, fsync=True)  # a store is expensive to rebuild: on disk before the rename
 
 
 def load_or_build_reference_store(

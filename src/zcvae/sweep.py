@@ -497,12 +497,11 @@ def _train_argv(run: Run) -> list[str]:
 def _prebuild_backbones(runs: Sequence[Run], log) -> None:
     """Pretrain the cached built-in backbone of every task the runs need before any run starts, so
     parallel runs do not race to build the same cache."""
-    from zcvae.config import TrainConfig
-    from zcvae.trainer import default_backbone
+    from zcvae.backbone import builtin_backbone
 
     tasks = {run.params.get("task") for run in runs if run.params.get("backbone") is None and run.params.get("train_data") is None}
     for task in sorted(tasks, key=str):
-        default_backbone(TrainConfig(task=task), log=log)
+        builtin_backbone(task, log=log)
 
 
 def run_local(
