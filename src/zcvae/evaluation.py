@@ -92,7 +92,8 @@ from zcvae.metrics import (
     reachable_nmi,
 )
 from zcvae.rundir import CHECKPOINTS, RUN_CONFIG, LATENTS_FIGURE, atomic_write, atomic_write_json, eval_step_file, read_run_record
-from zcvae.templates import EncodedExample, TemplateTokens, collate
+from zcvae.decoding import greedy_decode
+from zcvae.templates import EncodedExample, TemplateTokens, collate, z_slot_start, zcond_prompt
 
 __all__ = [
     "ACTIVE_UNITS_DELTA",
@@ -175,64 +176,6 @@ def decode_length(cfg, val: Sequence[EncodedExample]) -> int:
             raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
         return int(cfg.max_new_tokens)
     return max(len(ex.y_ids) for ex in val) + 2
-
-
-def _prompt(ex: EncodedExample, tokens: TemplateTokens, num_slots: int) -> list[int]:
-    """``<bos> <x> {x} </x> <z> <znull>*M </z> <y>``; the model writes z into the slots."""
-    return [tokens.bos, tokens.x_open, *ex.x_ids, tokens.x_close, tokens.z_open, *[tokens.znull] * num_slots,
-            tokens.z_close, tokens.y_open]
-
-
-def greedy_decode(
-    next_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    prompts: Sequence[Sequence[int]],
-    *,
-    num_steps: int,
-    stop_id: int,
-    pad_id: int,
-    device: torch.device | str = "cpu",
-) -> tuple[list[list[int]], list[bool], int]:
-    """Greedy continuation of right-padded prompts for exactly ``num_steps`` forwards.
-
-    ``next_logits(input_ids_RL, attention_mask_RL) -> logits_RV`` scores the next token after each
-    row's last attended position. A row stops growing after ``stop_id``, but the forwards go on for
-    all ``num_steps`` (so every rank calls the model as often, whatever its rows do). Returns the
-    generated ids of each row without ``stop_id``, whether the row emitted ``stop_id``, and the number
-    of forwards run (always ``num_steps``).
-    """
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    R = len(prompts)
-    lengths = [len(p) for p in prompts]
-    width = max(lengths) + num_steps
-    ids_RL = torch.full((R, width), pad_id, dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids_RL[r, : len(p)] = torch.tensor(p, dtype=torch.long)
-    ids_RL = ids_RL.to(device)
-    len_R = torch.tensor(lengths, dtype=torch.long, device=device)
-    done_R = torch.zeros(R, dtype=torch.bool, device=device)
-    positions_L = torch.arange(width, device=device)
-    rows_R = torch.arange(R, device=device)
-    num_forwards = 0
-    for _ in range(num_steps):
-        cur = int(len_R.max())  # every row fits: len <= prompt + steps so far
-        mask_RL = (positions_L[:cur][None, :] < len_R[:, None]).long()
-        logits_RV = next_logits(ids_RL[:, :cur], mask_RL)
-        num_forwards += 1
-        next_R = logits_RV.argmax(-1).to(device)
-        live_R = ~done_R
-        # Finished rows write nothing; live rows append at their own length.
-        write_R = torch.where(live_R, len_R, torch.zeros_like(len_R))
-        ids_RL[rows_R[live_R], write_R[live_R]] = next_R[live_R]
-        len_R = len_R + live_R.long()
-        done_R = done_R | (live_R & (next_R == stop_id))
-    generated, closed = [], []
-    for r in range(R):
-        row = ids_RL[r, lengths[r] : int(len_R[r])].tolist()
-        stopped = bool(done_R[r])
-        generated.append(row[:-1] if stopped else row)
-        closed.append(stopped)
-    return generated, closed, num_forwards
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,8 +275,8 @@ def _decode_pass(*, engine, model, cfg, val, examples, indices, keep, num_steps)
             ex = val[i]
             spec = examples[i]
             for latent in spec.get("latents", [None]):
-                prompts.append(_prompt(ex, tokens, num_slots))
-                slot_start.append(len(ex.x_ids) + 4)  # bos <x> x </x> <z> -> first slot
+                prompts.append(zcond_prompt(ex.x_ids, tokens, num_slots))
+                slot_start.append(z_slot_start(len(ex.x_ids)))
                 latents.append(latent)
                 if gaussian:
                     zs.append(spec["z"])

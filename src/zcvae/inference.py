@@ -562,26 +562,24 @@ def decode_greedy(model, x_ids, *, latent_index=None, z=None, max_new_tokens: in
     ``latent_index`` (R,) long for the discrete latent, ``z`` (R, D) for the Gaussian one. Uses the
     model's "decode" mode (a full recompute per token: exports are for inspection, not serving).
     """
+    from zcvae.decoding import greedy_decode
+    from zcvae.templates import z_slot_start, zcond_prompt
+
     t = model.tokens
     rows = int(latent_index.shape[0]) if latent_index is not None else int(z.shape[0])
+    if max_new_tokens < 1:
+        return [[] for _ in range(rows)]
     device = next(model.parameters()).device
-    prompt = [t.bos, t.x_open, *x_ids, t.x_close, t.z_open, *([t.znull] * model.config.num_z_slots), t.z_close, t.y_open]
-    ids_RS = torch.tensor([prompt] * rows, device=device)
-    slot_R = torch.full((rows,), len(x_ids) + 4, device=device)
+    slot_R = torch.full((rows,), z_slot_start(len(x_ids)), device=device)
     kw = {"latent_index": latent_index.to(device)} if latent_index is not None else {"z": z.to(device)}
-    done_R = torch.zeros(rows, dtype=torch.bool, device=device)
-    for _ in range(max_new_tokens):
-        logits_RV = model(mode="decode", input_ids=ids_RS, attention_mask=torch.ones_like(ids_RS), slot_start=slot_R, **kw)
-        next_R = torch.where(done_R, torch.full_like(done_R, t.y_close, dtype=torch.long), logits_RV.argmax(-1))
-        ids_RS = torch.cat([ids_RS, next_R[:, None]], 1)
-        done_R |= (next_R == t.y_close) | (next_R == t.eos)
-        if bool(done_R.all()):
-            break
-    out = []
-    for row in ids_RS[:, len(prompt):].tolist():
-        stop = [i for i, tok in enumerate(row) if tok in (t.y_close, t.eos)]
-        out.append(row[: stop[0]] if stop else row)
-    return out
+
+    def next_logits(ids_RL, mask_RL):
+        return model(mode="decode", input_ids=ids_RL, attention_mask=mask_RL, slot_start=slot_R, **kw)
+
+    prompts = [zcond_prompt(x_ids, t, model.config.num_z_slots)] * rows
+    generated, _, _ = greedy_decode(next_logits, prompts, num_steps=max_new_tokens, stop_id=(t.y_close, t.eos),
+                                    pad_id=t.pad, device=device, lock_step=False)
+    return generated
 
 
 def _xy_batch(model, x_ids, y_ids):

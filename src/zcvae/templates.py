@@ -300,6 +300,17 @@ def zcond_sequence(
     return ids, labels
 
 
+def zcond_prompt(x_ids, tokens: TemplateTokens, num_slots: int) -> list[int]:
+    """``<bos> <x> {x} </x> <z> <znull>*M </z> <y>``: the decode prompt; the model writes z into the slots."""
+    return [tokens.bos, tokens.x_open, *x_ids, tokens.x_close, tokens.z_open, *[tokens.znull] * num_slots,
+            tokens.z_close, tokens.y_open]
+
+
+def z_slot_start(num_x: int) -> int:
+    """Position of the first z slot: ``<bos> <x> {x} </x> <z>`` come before it."""
+    return num_x + 4
+
+
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
     width = max(len(r) for r in rows)
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
@@ -327,7 +338,7 @@ def collate(examples: list[EncodedExample], tokens: TemplateTokens, *, num_z_slo
         z_input_ids=z_input_ids,
         z_attention_mask=_pad([[1] * len(ids) for ids, _ in zc], 0),
         z_labels=_pad([lab for _, lab in zc], IGNORE_INDEX),
-        z_slot_start=x_len + 4,
+        z_slot_start=z_slot_start(x_len),
         num_supervised=n,
         num_z_slots=num_z_slots,
     )

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from zcvae.evaluation import decode_length, evaluate, gather_records, greedy_decode, shard_indices, summarize
+from zcvae.decoding import greedy_decode
+from zcvae.evaluation import decode_length, evaluate, gather_records, shard_indices, summarize
 
 # ---------------------------------------------------------------- pure parts
 
