@@ -3,7 +3,7 @@
 Every field can be set in a YAML/JSON config file and by a CLI flag named after the field in kebab
 case (``token_weight_alpha`` -> ``--token-weight-alpha``). The flat layout keeps the run name, the
 sweep helper and the aggregate tables working on one plain dict; the typed sub-configs the library
-needs (:class:`~zcvae.losses.ReconstructionLossConfig`, :class:`~zcvae.model.ModelConfig`,
+needs (:class:`~zcvae.core.losses.ReconstructionLossConfig`, :class:`~zcvae.model.cvae.ModelConfig`,
 :class:`~zcvae.engines.EngineConfig`) are built from it in one place.
 
 Defaults start from what a CPU prototype of this CVAE measured (shared/notes/cvae-training-findings.md):
@@ -136,7 +136,7 @@ class TrainConfig:
 
     # -- derived sub-configs
     def reconstruction_config(self):
-        from zcvae.losses import ReconstructionLossConfig
+        from zcvae.core.losses import ReconstructionLossConfig
 
         return ReconstructionLossConfig(
             raw_weight=self.reconstruction_weight,
@@ -153,7 +153,7 @@ class TrainConfig:
         )
 
     def model_config(self):
-        from zcvae.model import ModelConfig
+        from zcvae.model.cvae import ModelConfig
 
         return ModelConfig(
             latent_type=self.latent_type,
@@ -283,14 +283,14 @@ def naming_defaults(params: dict[str, Any]) -> dict[str, Any]:
 
 def train_run_name(config: dict[str, Any]) -> str:
     """The run name of a resolved config: the objective and aggregation mode always, then what differs."""
-    from zcvae.naming import AGGREGATION_MODE_FIELD, run_name
+    from zcvae.runs.naming import AGGREGATION_MODE_FIELD, run_name
 
     return run_name(config, naming_defaults(config), always=(AGGREGATION_MODE_FIELD, "objective"))
 
 
 def parse_train_run_name(name: str) -> dict[str, Any]:
     """Read a :func:`train_run_name` back (two passes: the objective first, then the rest against its preset)."""
-    from zcvae.naming import parse_run_name
+    from zcvae.runs.naming import parse_run_name
 
     first = parse_run_name(name, naming_defaults({}))
     return parse_run_name(name, naming_defaults({"objective": first.get("objective")}))

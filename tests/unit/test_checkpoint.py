@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from zcvae.checkpoint import COMPLETE, CheckpointManager, checkpoint_dirs, load_trainable_state, resolve_checkpoint
+from zcvae.runs.checkpoint import COMPLETE, CheckpointManager, checkpoint_dirs, load_trainable_state, resolve_checkpoint
 from zcvae.engines import EngineConfig, build_engine
-from zcvae.model import ModelConfig, ZCVAE
+from zcvae.model.cvae import ModelConfig, ZCVAE
 from zcvae.templates import EncodedExample, collate
 
 C_BASE = {"value": 0.5, "mode": "mean", "fingerprint": "abc123", "source": "validation"}
@@ -27,7 +27,7 @@ C_BASE = {"value": 0.5, "mode": "mean", "fingerprint": "abc123", "source": "vali
 def make_backbone(directory: Path) -> Path:
     from transformers import LlamaForCausalLM
 
-    from zcvae.backbone import tiny_llama_config
+    from zcvae.backbone.pretraining import tiny_llama_config
     from zcvae.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer()

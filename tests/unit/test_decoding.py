@@ -2,7 +2,7 @@
 
 import torch
 
-from zcvae.decoding import greedy_decode
+from zcvae.model.decoding import greedy_decode
 
 
 def _count_up(V: int):

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from zcvae.losses import base_loss, gather_span, surprisal_share_weights, token_nll
-from zcvae.reference import (
+from zcvae.core.losses import base_loss, gather_span, surprisal_share_weights, token_nll
+from zcvae.reference.store import (
     CBase,
     ReferenceFingerprint,
     ReferenceProvider,

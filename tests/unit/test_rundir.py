@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from zcvae.rundir import (
+from zcvae.runs.rundir import (
     METRICS,
     RUN_CONFIG,
     atomic_write_json,

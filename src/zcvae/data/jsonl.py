@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from zcvae.data.tasks import Example
-from zcvae.rundir import atomic_write_bytes
+from zcvae.runs.rundir import atomic_write_bytes
 
 _REQUIRED_FIELDS = ("id", "x", "y")
 _FIELDS = (*_REQUIRED_FIELDS, "strategy")

@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from zcvae.checkpoint import checkpoint_dirs, load_trainable_state, read_meta, resolve_checkpoint
-from zcvae.rundir import CHECKPOINTS, RUN_CONFIG, builtin_backbone_dir, iter_metric_records, read_json, read_run_record
+from zcvae.runs.checkpoint import checkpoint_dirs, load_trainable_state, read_meta, resolve_checkpoint
+from zcvae.runs.rundir import CHECKPOINTS, RUN_CONFIG, builtin_backbone_dir, iter_metric_records, read_json, read_run_record
 
 __all__ = [
     "EXPORT_META",
@@ -79,7 +79,7 @@ def _train_config(record: dict[str, Any], source: Path):
 
 def _builtin_backbone(cfg) -> Path:
     # The path of trainer.default_backbone without its side effect (it would pretrain a missing backbone).
-    from zcvae.backbone import is_pretrained
+    from zcvae.backbone.pretraining import is_pretrained
 
     cache = builtin_backbone_dir(cfg.task)
     if not is_pretrained(cache):
@@ -95,7 +95,7 @@ def resolve_backbone(cfg, *, override: str | None = None, recorded: str | None =
 
     A ``.gguf`` file is converted into (or found in) zcvae's cache, as ``zcvae train`` does.
     """
-    from zcvae.convert import is_gguf_path, resolve_backbone_path
+    from zcvae.backbone.convert import is_gguf_path, resolve_backbone_path
 
     for candidate in (override, recorded, cfg.backbone):
         if candidate:
@@ -113,7 +113,7 @@ def _base_config(backbone: str) -> dict[str, Any]:
 
 
 def _build_model(cfg, backbone: str, *, trust_remote_code: bool, device: str | torch.device | None):
-    from zcvae.model import ZCVAE
+    from zcvae.model.cvae import ZCVAE
 
     if cfg.trust_remote_code and not trust_remote_code:
         raise ValueError("the run was trained with trust_remote_code; pass --trust-remote-code to let the backbone's own code run")
@@ -313,7 +313,7 @@ zcvae encode THIS_DIR --x "..." --y "..."             # q(z|x,y) and p(z|x)
 ```
 
 ```python
-from zcvae.inference import load_for_inference
+from zcvae.export.inference import load_for_inference
 model = load_for_inference("THIS_DIR")                # ZCVAE: tokenizer, router heads, adapter
 ```
 
@@ -340,7 +340,7 @@ with torch.no_grad():  # without this the added rows keep resize_token_embedding
 model = PeftModel.from_pretrained(base, "THIS_DIR")
 ```
 
-(`zcvae.inference.prepare_base(backbone, "THIS_DIR")` does the same.){' A merged full model (LoRA merged, z rows in the embedding) is in `merged/`: `AutoModelForCausalLM.from_pretrained("THIS_DIR/merged")`.' if meta.get('merged') else ''}
+(`zcvae.export.inference.prepare_base(backbone, "THIS_DIR")` does the same.){' A merged full model (LoRA merged, z rows in the embedding) is in `merged/`: `AutoModelForCausalLM.from_pretrained("THIS_DIR/merged")`.' if meta.get('merged') else ''}
 
 Files: `adapter_config.json` and `adapter_model.safetensors` (peft LoRA + the K z rows as peft's
 trainable-token delta; no full embedding matrix), `latent_heads.safetensors` (z rows, router/prior
@@ -459,7 +459,7 @@ def load_for_inference(
     trust_remote_code: bool = False,
     device: str | torch.device | None = None,
 ):
-    """A :class:`~zcvae.model.ZCVAE` in eval mode from an export directory or a run directory.
+    """A :class:`~zcvae.model.cvae.ZCVAE` in eval mode from an export directory or a run directory.
 
     A run directory loads its newest complete checkpoint (or ``checkpoint``). ``backbone`` overrides
     the recorded backbone directory (it must have the same config). ``model.run_record`` holds the
@@ -562,7 +562,7 @@ def decode_greedy(model, x_ids, *, latent_index=None, z=None, max_new_tokens: in
     ``latent_index`` (R,) long for the discrete latent, ``z`` (R, D) for the Gaussian one. Uses the
     model's "decode" mode (a full recompute per token: exports are for inspection, not serving).
     """
-    from zcvae.decoding import greedy_decode
+    from zcvae.model.decoding import greedy_decode
     from zcvae.templates import z_slot_start, zcond_prompt
 
     t = model.tokens

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zcvae.latent import (
+from zcvae.core.latent import (
     DiscreteRouter,
     GaussianRouter,
     SoftPromptProjection,
@@ -52,7 +52,7 @@ from zcvae.latent import (
     gaussian_kl,
     inter_latent_divergence,
 )
-from zcvae.losses import gather_span, supervised_token_nll, token_nll
+from zcvae.core.losses import gather_span, supervised_token_nll, token_nll
 from zcvae.templates import IGNORE_INDEX, ZNULL, Batch, TemplateTokens, prepare_tokenizer
 
 __all__ = ["CVAEOutput", "LATENT_TYPES", "MODES", "ModelConfig", "ZCVAE", "default_lora_targets"]

@@ -63,8 +63,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from zcvae.rundir import atomic_write
-from zcvae.losses import AGGREGATION_MODES, base_loss
+from zcvae.runs.rundir import atomic_write
+from zcvae.core.losses import AGGREGATION_MODES, base_loss
 from zcvae.templates import Batch, EncodedExample, TemplateTokens, collate
 
 __all__ = [

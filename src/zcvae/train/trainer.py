@@ -27,14 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zcvae import __version__
+from zcvae._version import __version__
 from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at, train_run_name
-from zcvae.convert import conversion_record, describe_conversion, resolve_backbone_path
-from zcvae.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
+from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
+from zcvae.data.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
 from zcvae.distributed import flush_denormals, free_cpu_cores, init_distributed, reduce_metrics
-from zcvae.losses import DIAGNOSTIC_REDUCTIONS
-from zcvae.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
-from zcvae.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
+from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS
+from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
+from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.templates import collate, encode_examples
 
 
@@ -225,11 +225,11 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
 
     ``overwrite``: delete an earlier run in ``cfg.output_dir`` (after saying so) instead of refusing it.
     """
-    from zcvae.checkpoint import CheckpointManager
+    from zcvae.runs.checkpoint import CheckpointManager
     from zcvae.engines import build_engine
-    from zcvae.evaluation import evaluate
-    from zcvae.model import ZCVAE
-    from zcvae.reference import ReferenceProvider
+    from zcvae.eval.evaluation import evaluate
+    from zcvae.model.cvae import ZCVAE
+    from zcvae.reference.store import ReferenceProvider
 
     # 1. processes, seeds, run directory
     info = init_distributed(require_group=cfg.engine == "deepspeed")
@@ -309,7 +309,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
                 f"resume with --max-steps {start_step} or more, or start a new run in another --output-dir"
             )
         if start_step == cfg.max_steps and start_step > 0:
-            from zcvae.inference import _final_metrics
+            from zcvae.export.inference import _final_metrics
 
             say(f"[resume] checkpoint {state['checkpoint']!r} is already at max_steps {cfg.max_steps}: the run is complete, nothing written")
             return _final_metrics(run_dir)[1]
@@ -412,7 +412,7 @@ def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, re
 
 def default_backbone(cfg: TrainConfig, *, log=print) -> str:
     """The built-in tiny backbone pretrained on the run's task, built once and cached."""
-    from zcvae.backbone import builtin_backbone
+    from zcvae.backbone.pretraining import builtin_backbone
 
     if cfg.train_data is not None:
         raise ValueError("--backbone is required with --train-data (pretrain one with `zcvae pretrain --train-data ...`)")

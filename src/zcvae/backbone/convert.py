@@ -41,7 +41,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from zcvae.rundir import cache_root
+from zcvae.runs.rundir import cache_root
 
 __all__ = [
     "GGUF_RECORD",

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from zcvae.rundir import atomic_write
+from zcvae.runs.rundir import atomic_write
 
 # scikit-learn and SciPy are imported inside the functions that use them: importing sklearn.cluster
 # takes seconds, which every process that merely imports the evaluation would pay at start-up.

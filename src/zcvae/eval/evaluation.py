@@ -78,8 +78,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from zcvae.losses import DIAGNOSTIC_REDUCTIONS, RECONSTRUCTION_TERMS
-from zcvae.metrics import (
+from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS, RECONSTRUCTION_TERMS
+from zcvae.eval.metrics import (
     cluster_scores,
     controllability_metrics,
     discrete_latent_metrics,
@@ -91,8 +91,8 @@ from zcvae.metrics import (
     plot_latent_figure,
     reachable_nmi,
 )
-from zcvae.rundir import CHECKPOINTS, RUN_CONFIG, LATENTS_FIGURE, atomic_write, atomic_write_json, eval_step_file, read_run_record
-from zcvae.decoding import greedy_decode
+from zcvae.runs.rundir import CHECKPOINTS, RUN_CONFIG, LATENTS_FIGURE, atomic_write, atomic_write_json, eval_step_file, read_run_record
+from zcvae.model.decoding import greedy_decode
 from zcvae.templates import EncodedExample, TemplateTokens, collate, z_slot_start, zcond_prompt
 
 __all__ = [
@@ -198,7 +198,7 @@ def _to_list(t: torch.Tensor) -> list[float]:
 
 def _example_pass(*, engine, model, cfg, val, reference, indices, keep) -> list[dict]:
     """Losses, router outputs and span NLLs of this rank's examples (padding rows dropped)."""
-    from zcvae.objective import AuxiliaryWeights, per_example_objective
+    from zcvae.core.objective import AuxiliaryWeights, per_example_objective
 
     recon_cfg = cfg.reconstruction_config()
     aux = AuxiliaryWeights.from_train_config(cfg)
@@ -486,7 +486,7 @@ def summarize(
     num_decode_steps: int | None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """All metrics from the gathered records -> (flat scalars, non-scalar details for the JSON file)."""
-    from zcvae.objective import AuxiliaryWeights
+    from zcvae.core.objective import AuxiliaryWeights
 
     scalars = _reduce_terms(records)
     scalars["c_base"] = float(c_base)
@@ -726,8 +726,8 @@ def evaluate_run(
     """``zcvae evaluate RUN_DIR``: rebuild a finished run and evaluate it on one process.
 
     The config comes from ``RUN_DIR/run_config.json`` (key ``config``), the model from the backbone and
-    the run's newest complete checkpoint (or ``checkpoint``) via ``zcvae.inference.load_for_inference``,
-    the validation set exactly as in training (``zcvae.dataset.load_splits``). Always fp32, one process
+    the run's newest complete checkpoint (or ``checkpoint``) via ``zcvae.export.inference.load_for_inference``,
+    the validation set exactly as in training (``zcvae.data.dataset.load_splits``). Always fp32, one process
     (the local view of an engine, no optimizer); the reference is run online and c_base is the run's
     recorded value when its aggregation mode and validation fingerprint still match (else recomputed).
     Writes the metrics to ``output`` (default ``RUN_DIR/eval_metrics.json``) and the details and figure
@@ -735,11 +735,11 @@ def evaluate_run(
     with ``trust_remote_code`` needs ``trust_remote_code=True`` here too (the run directory alone
     never lets the backbone's code run).
     """
-    from zcvae.checkpoint import checkpoint_dirs, read_meta, resolve_checkpoint
+    from zcvae.runs.checkpoint import checkpoint_dirs, read_meta, resolve_checkpoint
     from zcvae.config import TrainConfig
-    from zcvae.dataset import load_splits
-    from zcvae.inference import load_for_inference, resolve_backbone
-    from zcvae.reference import CBase, ReferenceProvider
+    from zcvae.data.dataset import load_splits
+    from zcvae.export.inference import load_for_inference, resolve_backbone
+    from zcvae.reference.store import CBase, ReferenceProvider
     from zcvae.templates import encode_examples
 
     from zcvae.distributed import flush_denormals

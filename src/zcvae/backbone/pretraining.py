@@ -21,7 +21,7 @@ to ``output_dir + ".tmp"`` and renamed, so ``is_pretrained`` never accepts a hal
 
 Run (2 CPU cores; about 1-2 minutes for the defaults on the default task)::
 
-    python -m zcvae.backbone output_dir=runs/backbone    # or: zcvae pretrain --output-dir runs/backbone
+    python -m zcvae.backbone.pretraining output_dir=runs/backbone    # or: zcvae pretrain --output-dir runs/backbone
 
 Shape legend: B batch, T sequence length, V vocabulary, P prompt length, G generated tokens.
 """
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from zcvae.distributed import flush_denormals, free_cpu_cores
-from zcvae.rundir import builtin_backbone_dir
+from zcvae.runs.rundir import builtin_backbone_dir
 from zcvae.templates import (
     IGNORE_INDEX,
     NUM_FRAME_TOKENS,
@@ -659,7 +659,7 @@ def _parse_value(text: str):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m zcvae.backbone key=value ...`` (keys of PretrainConfig)."""
+    """``python -m zcvae.backbone.pretraining key=value ...`` (keys of PretrainConfig)."""
     values = {}
     for arg in sys.argv[1:] if argv is None else argv:
         key, sep, text = arg.partition("=")
