@@ -17,12 +17,12 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
 
 * Losses: the example mean of the six reconstruction terms, ``kl``, the objective ``loss`` (with the
   final KL weight ``cfg.effective_kl_weight``, the auxiliary weights of the run, and the router's marginal
-  terms evaluated on the mean q of the whole set), every diagnostic of ``losses.reconstruction_terms``
+  terms evaluated on the mean q of the whole set), every diagnostic of ``core.losses.reconstruction_terms``
   reduced as in training (mean, or min/max for ``num_tokens_min``/``num_tokens_max``), and ``c_base``.
   Gaussian latents: the S branch samples use noise drawn from a generator seeded by
   ``(cfg.seed, example index)``, so the estimate is deterministic and does not depend on the sharding.
-* Discrete latents: ``metrics.discrete_latent_metrics`` on q(z|x,y) and p(z|x) of every example.
-  Gaussian: ``metrics.gaussian_latent_metrics`` on the posterior means (active units with
+* Discrete latents: ``eval.metrics.discrete_latent_metrics`` on q(z|x,y) and p(z|x) of every example.
+  Gaussian: ``eval.metrics.gaussian_latent_metrics`` on the posterior means (active units with
   ``delta = ACTIVE_UNITS_DELTA``, KL to N(0, I), NMI/ARI of k-means of the means vs the strategy).
 * Decoding, on the first ``cfg.num_eval_decode_examples`` validation x: greedy, a fixed number of
   steps (``cfg.max_new_tokens``, or the longest validation y + 2) in lock-step on every rank, each row
@@ -41,7 +41,7 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
 
 * Reachable NMI (with gold strategies, user JSONL included): ``nmi_reachable`` is the NMI against
   the gold strategy of the best function of (x, y), the majority strategy of each identical (x, y)
-  token pair (``metrics.reachable_nmi``); it is below 1 when two strategies produce the same y. For
+  token pair (``eval.metrics.reachable_nmi``); it is below 1 when two strategies produce the same y. For
   a built-in family the strategies that render a row's y from its x all count for it, so an
   ambiguous (x, y) is caught even when it occurs once (as in ``mul`` with b = 1); for user data only
   repeated (x, y) pairs reveal ambiguity.
@@ -377,9 +377,9 @@ def stratified_metrics(
 
     Strata: ``by_strategy/<s>`` (rows whose gold strategy is s; "/" and spaces in s become "_") and
     ``by_length/t1..t3`` (terciles of the supervised length n_i = y + ``</y>`` tokens, t1 shortest,
-    ``metrics.length_terciles``; an empty tercile has no keys). For each stratum P:
+    ``eval.metrics.length_terciles``; an empty tercile has no keys). For each stratum P:
       P/num_examples
-      P/<term>             example mean of each of ``losses.RECONSTRUCTION_TERMS`` over its valid rows
+      P/<term>             example mean of each of ``core.losses.RECONSTRUCTION_TERMS`` over its valid rows
       P/latent_usage/<k>   mean q(z=k|x,y) over its rows (discrete)
       P/num_used_latents, P/mi   usage and I(x,y; z) within the stratum (discrete; within a strategy
                            an MI near 0 means z does not vary inside it)

@@ -78,7 +78,7 @@ def _train_config(record: dict[str, Any], source: Path):
 
 
 def _builtin_backbone(cfg) -> Path:
-    # The path of trainer.default_backbone without its side effect (it would pretrain a missing backbone).
+    # The path of train.trainer.default_backbone without its side effect (it would pretrain a missing backbone).
     from zcvae.backbone.pretraining import is_pretrained
 
     cache = builtin_backbone_dir(cfg.task)

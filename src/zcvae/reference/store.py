@@ -436,7 +436,7 @@ class ReferenceStore:
     def lookup(
         self, ids: Sequence[str], device: torch.device | str | None = None, *, n_span: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ref_nll_BN float32, mask_BN bool)`` left-aligned and zero-padded like ``losses.gather_span``.
+        """``(ref_nll_BN float32, mask_BN bool)`` left-aligned and zero-padded like ``core.losses.gather_span``.
 
         N is the longest span among ``ids`` unless ``n_span`` is given. KeyError names a missing id.
         """
