@@ -40,7 +40,7 @@ class TrainConfig:
     backbone: str | None = _f(None, "Local Hugging Face checkpoint directory of the causal LM, or a .gguf file (dequantized into a cached checkpoint, see `zcvae convert-gguf`); the built-in tiny backbone pretrained on the task when omitted.")
     trust_remote_code: bool = _f(False, "Allow the backbone's own modelling code to run (off unless you trust the checkpoint).")
     latent_type: str = _f("discrete", "discrete (K learned z tokens, exact expectation) or continuous (Gaussian soft prompt).", choices=("discrete", "continuous"))
-    num_latents: int = _f(2, "K, the number of discrete latent values.")
+    num_latents: int = _f(2, "K, the number of discrete latent values (K = 1 is valid: no latent information; the benchmarks use it).")
     latent_dim: int = _f(16, "Dimension of the Gaussian latent.")
     num_z_slots: int = _f(1, "M tokens filling the <z> section: discrete, each latent value owns M learned rows (<z_k_1> .. <z_k_M>); Gaussian, M soft-prompt embeddings.")
     num_latent_samples: int = _f(1, "S, reparameterised posterior samples per example (Gaussian).")
@@ -126,10 +126,6 @@ class TrainConfig:
             raise ValueError(f"{source}: unknown config key(s) {unknown}; see `zcvae train --help`")
         check_types(cls, values, source=source)
         return cls(**expand_objective(values, default=default_objective))
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> "TrainConfig":
-        return cls.from_dict(load_config_file(path), source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -323,9 +319,6 @@ def validate(cfg: TrainConfig) -> None:
         # K would be ignored, yet the run name would carry it (K-4): say so instead
         raise ValueError(f"num_latents (K = {cfg.num_latents}) applies to the discrete latent only; with latent_type continuous "
                          f"set latent_dim, num_z_slots or num_latent_samples instead, and leave num_latents out")
-    if cfg.latent_type == "discrete" and cfg.num_latents < 2:
-        # K = 1 is a valid model (no latent information) and is used by the benchmarks
-        pass
     if cfg.train_data is not None and cfg.task is not None:
         raise ValueError("give either task or train_data, not both")
     if (cfg.train_data is None) != (cfg.val_data is None):

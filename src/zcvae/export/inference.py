@@ -153,7 +153,8 @@ def _load_checkpoint_into(model, checkpoint: Path) -> None:
 def _newest_checkpoint(run_dir: Path, checkpoint: str | None) -> Path:
     if checkpoint is not None:
         path = resolve_checkpoint(checkpoint)
-        assert path is not None
+        if path is None:
+            raise ValueError(f"checkpoint {checkpoint!r}: no complete checkpoint there")
         return path
     found = checkpoint_dirs(run_dir / CHECKPOINTS)
     if not found:
