@@ -406,9 +406,7 @@ def kl_weight_at(cfg: TrainConfig, step: int) -> float:
 
 
 def lr_factor_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up then cosine decay to ``min_lr_ratio`` of the peak."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
+    """Linear warm-up then cosine decay to ``min_lr_ratio`` of the peak (``core.schedule.lr_multiplier``)."""
+    from zcvae.core.schedule import lr_multiplier
+
+    return lr_multiplier(step, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio)

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from zcvae.core.schedule import lr_multiplier
 from zcvae.distributed import flush_denormals, free_cpu_cores
 from zcvae.runs.rundir import builtin_backbone_dir
 from zcvae.templates import (
@@ -229,14 +230,6 @@ def is_pretrained(output_dir: str | os.PathLike) -> bool:
 
 
 # ---- pure pieces ---------------------------------------------------------------------------------
-
-
-def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr for the update number ``step`` (0-based): linear warm-up, cosine to min."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def span_nll(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
