@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from zcvae.core.losses import token_nll
 from zcvae.core.schedule import lr_multiplier
 from zcvae.distributed import flush_denormals, free_cpu_cores
 from zcvae.runs.rundir import builtin_backbone_dir
@@ -236,16 +237,11 @@ def span_nll(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.T
     """Per-token NLL (nats) of the supervised labels; logits at t predict labels at t + 1.
 
     Returns ``nll_BT`` (0 where unsupervised; position t scores the label at t + 1) and ``mask_BT``.
+    The NLL is ``core.losses.token_nll``, the one the CVAE uses (bit-identical to the cross-entropy
+    this function computed itself before, checked on CPU for float32 and bfloat16 logits).
     """
-    logits_BTV = logits_BTV[:, :-1].float()
-    target_BT = labels_BT[:, 1:]
-    mask_BT = target_BT != IGNORE_INDEX
-    nll_BT = F.cross_entropy(
-        logits_BTV.reshape(-1, logits_BTV.shape[-1]),
-        target_BT.clamp_min(0).reshape(-1),
-        reduction="none",
-    ).view_as(target_BT)
-    return nll_BT * mask_BT, mask_BT
+    mask_BT = labels_BT[:, 1:] != IGNORE_INDEX
+    return token_nll(logits_BTV, labels_BT) * mask_BT, mask_BT
 
 
 def mix_templates(
