@@ -65,7 +65,7 @@ from safetensors.torch import save_file
 
 from zcvae.runs.rundir import atomic_write
 from zcvae.core.losses import AGGREGATION_MODES, base_loss
-from zcvae.templates import Batch, EncodedExample, TemplateTokens, collate
+from zcvae.templates import Batch, EncodedExample, TemplateTokens, collate, zfree_fingerprint_text
 
 __all__ = [
     "C_BASE_SOURCES",
@@ -98,7 +98,7 @@ DEFAULT_CACHE_DIR = Path("~/.cache/zcvae/reference")
 STORE_FORMAT = "zcvae-reference/1"
 # Part of the fingerprint: a change of the z-free template (or of what is supervised) must invalidate
 # every store, even though the token ids of the markers may stay the same.
-TEMPLATE_LAYOUT = "<bos> <x> {x} </x> <y> {y} </y> <eos>; supervised: y + </y>"
+TEMPLATE_LAYOUT = zfree_fingerprint_text()
 _HASH_CHUNK = 1 << 24
 
 
