@@ -34,6 +34,7 @@ from zcvae.data.dataset import global_batch_indices, load_splits, passes_over_da
 from zcvae.distributed import flush_denormals, free_cpu_cores, init_distributed, reduce_metrics
 from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS
 from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
+from zcvae.train.faults import fault_injection_from_env
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.templates import collate, encode_examples
 
@@ -297,7 +298,8 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     recon_cfg = cfg.reconstruction_config()
     aux = AuxiliaryWeights.from_train_config(cfg)
 
-    checkpoints = CheckpointManager(run_dir / CHECKPOINTS, keep=cfg.keep_last_checkpoints, is_main=is_main)
+    checkpoints = CheckpointManager(run_dir / CHECKPOINTS, keep=cfg.keep_last_checkpoints, is_main=is_main,
+                                    on_event=fault_injection_from_env())
     start_step = 0
     if cfg.resume is not None:
         state = checkpoints.load(engine, cfg.resume, config=cfg, c_base=reference.c_base)
