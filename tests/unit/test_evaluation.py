@@ -317,7 +317,7 @@ def _build_model(cfg):
 
 def _engine_and_reference(cfg, model, val):
     from zcvae.engines import EngineConfig, build_engine
-    from zcvae.reference.store import ReferenceProvider
+    from zcvae.reference.provider import ReferenceProvider
 
     groups = model.param_groups(lora_lr=1e-3, latent_lr=1e-2, weight_decay=0.0)
     engine = build_engine(EngineConfig(), model=model, param_groups=groups, learning_rate=1e-3)

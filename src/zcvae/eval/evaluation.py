@@ -739,7 +739,8 @@ def evaluate_run(
     from zcvae.config import TrainConfig
     from zcvae.data.dataset import load_splits
     from zcvae.export.inference import load_for_inference, resolve_backbone
-    from zcvae.reference.store import CBase, ReferenceProvider
+    from zcvae.reference.c_base import CBase
+    from zcvae.reference.provider import ReferenceProvider
     from zcvae.templates import encode_examples
 
     from zcvae.distributed import flush_denormals

@@ -230,7 +230,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     from zcvae.engines import build_engine
     from zcvae.eval.evaluation import evaluate
     from zcvae.model.cvae import ZCVAE
-    from zcvae.reference.store import ReferenceProvider
+    from zcvae.reference.provider import ReferenceProvider
 
     # 1. processes, seeds, run directory
     info = init_distributed(require_group=cfg.engine == "deepspeed")
