@@ -57,8 +57,8 @@ def main(argv=None) -> int:
 
     from zcvae.config import TrainConfig
     from zcvae.data import DEFAULT_TASK
-    from zcvae.demo import DEMO_BASE
-    from zcvae.trainer import default_backbone, train
+    from zcvae.commands.demo import DEMO_BASE
+    from zcvae.train.trainer import default_backbone, train
 
     task = args.task or DEFAULT_TASK
     with tempfile.TemporaryDirectory(prefix="collapse-bench-") as tmp:

@@ -57,13 +57,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
 from zcvae.config import TrainConfig  # noqa: E402
-from zcvae.convert import packaged_smollm2, resolve_backbone_path  # noqa: E402
+from zcvae.backbone.convert import packaged_smollm2, resolve_backbone_path  # noqa: E402
 from zcvae.distributed import flush_denormals  # noqa: E402
 from zcvae.engines import EngineConfig, build_engine  # noqa: E402
-from zcvae.losses import token_nll  # noqa: E402
-from zcvae.model import ZCVAE, ModelConfig, default_lora_targets  # noqa: E402
-from zcvae.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective  # noqa: E402
-from zcvae.reference import ReferenceStore  # noqa: E402
+from zcvae.core.losses import token_nll  # noqa: E402
+from zcvae.model.cvae import ZCVAE, ModelConfig, default_lora_targets  # noqa: E402
+from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective  # noqa: E402
+from zcvae.reference.store import ReferenceStore  # noqa: E402
 from zcvae.templates import EncodedExample, collate  # noqa: E402
 
 MiB = 2**20
@@ -71,7 +71,7 @@ MiB = 2**20
 
 # --------------------------------------------------------------------------- backbones and data
 BACKBONES = {
-    # the built-in tiny Llama (zcvae.backbone.tiny_llama_config defaults, 1.07M parameters)
+    # the built-in tiny Llama (zcvae.backbone.pretraining.tiny_llama_config defaults, 1.07M parameters)
     "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=512),
     "llama256": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
     # Llama-3.2-1B shapes (1.24B parameters with the 128256-row vocabulary), random init

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Render one SLURM script per run of a family: see zcvae.sweep (the logic lives there, under test).
+"""Render one SLURM script per run of a family: see zcvae.commands.sweep (the logic lives there, under test).
 
     python launch/sweep.py FAMILY.yaml --out DIR [--dry-run] [--defaults {auto,config,base}] [--force]
 """
@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 try:
-    from zcvae.sweep import main
+    from zcvae.commands.sweep import main
 except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from zcvae.sweep import main
+    from zcvae.commands.sweep import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-from zcvae.cli import main
+from zcvae.commands.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

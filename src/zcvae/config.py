@@ -3,7 +3,7 @@
 Every field can be set in a YAML/JSON config file and by a CLI flag named after the field in kebab
 case (``token_weight_alpha`` -> ``--token-weight-alpha``). The flat layout keeps the run name, the
 sweep helper and the aggregate tables working on one plain dict; the typed sub-configs the library
-needs (:class:`~zcvae.losses.ReconstructionLossConfig`, :class:`~zcvae.model.ModelConfig`,
+needs (:class:`~zcvae.core.losses.ReconstructionLossConfig`, :class:`~zcvae.model.cvae.ModelConfig`,
 :class:`~zcvae.engines.EngineConfig`) are built from it in one place.
 
 Defaults start from what a CPU prototype of this CVAE measured (shared/notes/cvae-training-findings.md):
@@ -40,7 +40,7 @@ class TrainConfig:
     backbone: str | None = _f(None, "Local Hugging Face checkpoint directory of the causal LM, or a .gguf file (dequantized into a cached checkpoint, see `zcvae convert-gguf`); the built-in tiny backbone pretrained on the task when omitted.")
     trust_remote_code: bool = _f(False, "Allow the backbone's own modelling code to run (off unless you trust the checkpoint).")
     latent_type: str = _f("discrete", "discrete (K learned z tokens, exact expectation) or continuous (Gaussian soft prompt).", choices=("discrete", "continuous"))
-    num_latents: int = _f(2, "K, the number of discrete latent values.")
+    num_latents: int = _f(2, "K, the number of discrete latent values (K = 1 is valid: no latent information; the benchmarks use it).")
     latent_dim: int = _f(16, "Dimension of the Gaussian latent.")
     num_z_slots: int = _f(1, "M tokens filling the <z> section: discrete, each latent value owns M learned rows (<z_k_1> .. <z_k_M>); Gaussian, M soft-prompt embeddings.")
     num_latent_samples: int = _f(1, "S, reparameterised posterior samples per example (Gaussian).")
@@ -127,16 +127,12 @@ class TrainConfig:
         check_types(cls, values, source=source)
         return cls(**expand_objective(values, default=default_objective))
 
-    @classmethod
-    def from_file(cls, path: str | Path) -> "TrainConfig":
-        return cls.from_dict(load_config_file(path), source=str(path))
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     # -- derived sub-configs
     def reconstruction_config(self):
-        from zcvae.losses import ReconstructionLossConfig
+        from zcvae.core.losses import ReconstructionLossConfig
 
         return ReconstructionLossConfig(
             raw_weight=self.reconstruction_weight,
@@ -153,7 +149,7 @@ class TrainConfig:
         )
 
     def model_config(self):
-        from zcvae.model import ModelConfig
+        from zcvae.model.cvae import ModelConfig
 
         return ModelConfig(
             latent_type=self.latent_type,
@@ -283,14 +279,14 @@ def naming_defaults(params: dict[str, Any]) -> dict[str, Any]:
 
 def train_run_name(config: dict[str, Any]) -> str:
     """The run name of a resolved config: the objective and aggregation mode always, then what differs."""
-    from zcvae.naming import AGGREGATION_MODE_FIELD, run_name
+    from zcvae.runs.naming import AGGREGATION_MODE_FIELD, run_name
 
     return run_name(config, naming_defaults(config), always=(AGGREGATION_MODE_FIELD, "objective"))
 
 
 def parse_train_run_name(name: str) -> dict[str, Any]:
     """Read a :func:`train_run_name` back (two passes: the objective first, then the rest against its preset)."""
-    from zcvae.naming import parse_run_name
+    from zcvae.runs.naming import parse_run_name
 
     first = parse_run_name(name, naming_defaults({}))
     return parse_run_name(name, naming_defaults({"objective": first.get("objective")}))
@@ -323,9 +319,6 @@ def validate(cfg: TrainConfig) -> None:
         # K would be ignored, yet the run name would carry it (K-4): say so instead
         raise ValueError(f"num_latents (K = {cfg.num_latents}) applies to the discrete latent only; with latent_type continuous "
                          f"set latent_dim, num_z_slots or num_latent_samples instead, and leave num_latents out")
-    if cfg.latent_type == "discrete" and cfg.num_latents < 2:
-        # K = 1 is a valid model (no latent information) and is used by the benchmarks
-        pass
     if cfg.train_data is not None and cfg.task is not None:
         raise ValueError("give either task or train_data, not both")
     if (cfg.train_data is None) != (cfg.val_data is None):
@@ -413,9 +406,7 @@ def kl_weight_at(cfg: TrainConfig, step: int) -> float:
 
 
 def lr_factor_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up then cosine decay to ``min_lr_ratio`` of the peak."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
+    """Linear warm-up then cosine decay to ``min_lr_ratio`` of the peak (``core.schedule.lr_multiplier``)."""
+    from zcvae.core.schedule import lr_multiplier
+
+    return lr_multiplier(step, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio)

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-X_OPEN, X_CLOSE = "<x>", "</x>"
-Z_OPEN, Z_CLOSE = "<z>", "</z>"
-Y_OPEN, Y_CLOSE = "<y>", "</y>"
-ZNULL = "<znull>"
-MARKERS = (X_OPEN, X_CLOSE, Z_OPEN, Z_CLOSE, Y_OPEN, Y_CLOSE, ZNULL)
+# The marker strings live with the tokenizer's vocabulary (zcvae.data stays importable without torch);
+# everything else asks this module for them.
+from zcvae.data.tokenizer import TEMPLATE_TOKENS as MARKERS
+
+X_OPEN, X_CLOSE, Z_OPEN, Z_CLOSE, Y_OPEN, Y_CLOSE, ZNULL = MARKERS
 IGNORE_INDEX = -100
 # tokens outside x and y in the z-conditioned template: bos <x> </x> <z> </z> <y> </y> eos
 NUM_FRAME_TOKENS = 8
@@ -289,6 +289,19 @@ def zfree_sequence(ex: EncodedExample, tokens: TemplateTokens) -> tuple[list[int
     return ids, labels
 
 
+def zfree_fingerprint_text() -> str:
+    """The z-free template as text, rendered by ``zfree_sequence`` itself from symbolic tokens:
+    ``"<bos> <x> {x} </x> <y> {y} </y> <eos>; supervised: y + </y>"``. It is part of the reference
+    store's fingerprint, so a change of the template (or of what is supervised) invalidates every
+    store; the text of an unchanged template must stay byte-identical (pinned in test_templates)."""
+    names = {f.name: f"<{f.name}>" for f in fields(TemplateTokens)}
+    names.update(x_open=X_OPEN, x_close=X_CLOSE, y_open=Y_OPEN, y_close=Y_CLOSE)
+    symbolic = type("SymbolicTokens", (), names)
+    ids, labels = zfree_sequence(EncodedExample("layout", ("{x}",), ("{y}",)), symbolic)
+    supervised = [str(tok).strip("{}") for tok, label in zip(ids, labels) if label != IGNORE_INDEX]
+    return f"{' '.join(map(str, ids))}; supervised: {' + '.join(supervised)}"
+
+
 def zcond_sequence(
     ex: EncodedExample, tokens: TemplateTokens, slot_ids: list[int]
 ) -> tuple[list[int], list[int]]:
@@ -298,6 +311,17 @@ def zcond_sequence(
     ids = prefix + span + [tokens.eos]
     labels = [IGNORE_INDEX] * len(prefix) + span + [IGNORE_INDEX]
     return ids, labels
+
+
+def zcond_prompt(x_ids, tokens: TemplateTokens, num_slots: int) -> list[int]:
+    """``<bos> <x> {x} </x> <z> <znull>*M </z> <y>``: the decode prompt; the model writes z into the slots."""
+    return [tokens.bos, tokens.x_open, *x_ids, tokens.x_close, tokens.z_open, *[tokens.znull] * num_slots,
+            tokens.z_close, tokens.y_open]
+
+
+def z_slot_start(num_x: int) -> int:
+    """Position of the first z slot: ``<bos> <x> {x} </x> <z>`` come before it."""
+    return num_x + 4
 
 
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
@@ -327,7 +351,7 @@ def collate(examples: list[EncodedExample], tokens: TemplateTokens, *, num_z_slo
         z_input_ids=z_input_ids,
         z_attention_mask=_pad([[1] * len(ids) for ids, _ in zc], 0),
         z_labels=_pad([lab for _, lab in zc], IGNORE_INDEX),
-        z_slot_start=x_len + 4,
+        z_slot_start=z_slot_start(x_len),
         num_supervised=n,
         num_z_slots=num_z_slots,
     )

@@ -33,8 +33,8 @@ MAX_GRAD_NORM = 0.5
 GROUPS = (("lora", 5e-3, 0.01), ("tokens", 1e-2, 0.0))  # name, peak lr, weight decay
 
 try:  # the project's aggregation (mean | sum over a row's supervised tokens), when it exists
-    from zcvae.losses import aggregate
-except ImportError:  # pragma: no cover - only while zcvae.losses is being written
+    from zcvae.core.losses import aggregate
+except ImportError:  # pragma: no cover - only while zcvae.core.losses is being written
 
     def aggregate(values_BN: torch.Tensor, mask_BN: torch.Tensor, mode: str) -> torch.Tensor:
         total = torch.where(mask_BN, values_BN, torch.zeros_like(values_BN)).sum(-1)

@@ -36,9 +36,9 @@ def run_evaluation(backbone: str, engine_name: str, run_dir: str | None) -> dict
     from zcvae.config import TrainConfig
     from zcvae.data import get_task, make_examples
     from zcvae.engines import build_engine
-    from zcvae.evaluation import evaluate
-    from zcvae.model import ZCVAE
-    from zcvae.reference import ReferenceProvider
+    from zcvae.eval.evaluation import evaluate
+    from zcvae.model.cvae import ZCVAE
+    from zcvae.reference.provider import ReferenceProvider
     from zcvae.templates import collate, encode_examples
 
     cfg = TrainConfig(task="copy", backbone=backbone, micro_batch_size=2, num_eval_decode_examples=5, max_new_tokens=4,

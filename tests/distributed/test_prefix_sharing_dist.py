@@ -52,7 +52,7 @@ LR, EPS = 10.0, 100.0  # see the module docstring
 
 
 def model_config(latent: str, mode: str):
-    from zcvae.model import ModelConfig
+    from zcvae.model.cvae import ModelConfig
 
     common = dict(share_x_prefix=mode != "full", gradient_checkpointing=mode == "shared-ckpt")
     if latent == "discrete":
@@ -75,7 +75,7 @@ def global_batch(model):
 
 def build_model(backbone: str, latent: str, mode: str):
     """The same model on every rank: LoRA B and the z rows moved off their initialisation, then calibrated."""
-    from zcvae.model import ZCVAE
+    from zcvae.model.cvae import ZCVAE
 
     model = ZCVAE.from_pretrained(backbone, model_config(latent, mode), seed=0)
     batch = global_batch(model)

@@ -41,7 +41,7 @@ if HERE not in sys.path:  # cli_harness sits next to this file (tests/distribute
     sys.path.insert(0, HERE)
 
 import cli_harness as C  # noqa: E402
-from zcvae.losses import RECONSTRUCTION_TERMS  # noqa: E402
+from zcvae.core.losses import RECONSTRUCTION_TERMS  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

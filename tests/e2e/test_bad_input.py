@@ -5,7 +5,7 @@ nothing of an earlier run was lost (its files unchanged, by sha256). One tiny ba
 and one finished run (6 steps, checkpoints at 3 and 6) serve the whole module; a case that must change
 a run works on a copy.
 
-Most cases call ``zcvae.cli.main`` in this process (an uncaught exception fails the test the way a
+Most cases call ``zcvae.commands.cli.main`` in this process (an uncaught exception fails the test the way a
 traceback would fail a user); the data-loss cases also run as a real ``python -m zcvae`` process.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zcvae.cli import main as cli_main
+from zcvae.commands.cli import main as cli_main
 
 TRAIN = ["--task", "copy", "--num-train-examples", "32", "--num-val-examples", "8", "--num-eval-decode-examples", "2",
          "--micro-batch-size", "4", "--max-steps", "6", "--save-every", "3", "--keep-last-checkpoints", "3",
@@ -338,7 +338,7 @@ def test_15_resume_auto_falls_back_past_a_corrupt_checkpoint(run, tiny_backbone,
     assert rc == 0 and "Traceback" not in out, out[-3000:]
     assert "step_00000006" in out and "corrupt" in out and "falling back" in out and "[resume] from step 3" in out
     assert tree_hashes(run_dir / "checkpoints" / "step_00000003") == older
-    from zcvae.checkpoint import verify_checkpoint
+    from zcvae.runs.checkpoint import verify_checkpoint
 
     verify_checkpoint(run_dir / "checkpoints" / "step_00000006")  # saved again, whole
 

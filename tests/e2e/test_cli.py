@@ -4,7 +4,7 @@ import json
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from zcvae.losses import RECONSTRUCTION_TERMS
+from zcvae.core.losses import RECONSTRUCTION_TERMS
 
 TRAIN = ["--task", "copy", "--max-steps", "4", "--micro-batch-size", "8", "--num-train-examples", "64",
          "--num-val-examples", "12", "--num-eval-decode-examples", "4", "--log-every", "2", "--no-progress-bar"]

@@ -15,7 +15,7 @@ def test_demo_quick_prints_the_pilot_table(cli, tmp_path):
     assert len(runs) == 7
     configs = [json.loads((r / "run_config.json").read_text())["config"] for r in runs]
     arms = {(c["objective"], c["reconstruction_loss_token_aggregation_mode"]) for c in configs}
-    from zcvae.demo import PILOT
+    from zcvae.commands.demo import PILOT
 
     assert arms == set(PILOT) and ("raw", "mean") in arms and len({o for o, _ in arms}) == 4
     assert (tmp_path / "demo" / "table.md").read_text().strip() == "\n".join(

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zcvae.convert import GGUF_RECORD, convert_gguf, file_sha256, packaged_smollm2
+from zcvae.backbone.convert import GGUF_RECORD, convert_gguf, file_sha256, packaged_smollm2
 
 GGUF = packaged_smollm2()
 pytestmark = [
@@ -172,8 +172,8 @@ def test_discrete_train_export_peft_and_generate(discrete_run, smollm2, capsys):
     decodes what ``zcvae generate`` prints, for every latent."""
     from peft import PeftModel
 
-    from zcvae.cli import main as cli_main
-    from zcvae.inference import prepare_base
+    from zcvae.commands.cli import main as cli_main
+    from zcvae.export.inference import prepare_base
 
     run_dir, log = discrete_run
     _check_run(run_dir, log, smollm2)
@@ -211,7 +211,7 @@ def test_discrete_train_export_peft_and_generate(discrete_run, smollm2, capsys):
 
 def test_gaussian_train_from_the_gguf_file_and_generate(cli, smollm2, capsys):
     """``--backbone FILE.gguf`` finds the session's conversion in the cache (no second conversion)."""
-    from zcvae.cli import main as cli_main
+    from zcvae.commands.cli import main as cli_main
 
     cached = sorted(p.name for p in (smollm2.cache / "gguf").iterdir())
     run_dir, log = _train(cli, smollm2, "gaussian", GGUF, "--latent-type", "continuous", "--latent-dim", "4")

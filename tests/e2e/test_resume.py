@@ -1,7 +1,7 @@
 """A run SIGKILLed after step k and resumed with ``--resume auto`` ends bitwise where an uninterrupted
 run ends (local engine, CPU, fp32): same trainable tensors, same logged metrics at every step.
 
-Two crash points, through the debug hooks in ``zcvae.checkpoint``: right after checkpoint 4 is
+Two crash points, through the debug hooks in ``zcvae.runs.checkpoint``: right after checkpoint 4 is
 complete (resume from 4), and inside the save of checkpoint 4, after its files are written but before
 ``COMPLETE`` (the half-written ``step_00000004.tmp`` must be skipped: resume from 2, replaying 3-4).
 Then a resume with another aggregation mode is refused by the real CLI.

@@ -1,4 +1,4 @@
-"""Tests for zcvae.aggregate over run directories written in the trainer's on-disk format."""
+"""Tests for zcvae.commands.aggregate over run directories written in the trainer's on-disk format."""
 
 import csv
 import io
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from zcvae.aggregate import RunLoadError, Stat, aggregate_runs, format_table, load_run, main
+from zcvae.commands.aggregate import RunLoadError, Stat, aggregate_runs, format_table, load_run, main
 
 BASE_CONFIG = {
     "run_name": "dist-mean-b1",
@@ -200,7 +200,7 @@ def test_non_finite_metric_is_shown_not_hidden(tmp_path):
 
 
 def test_seed_grouping_with_project_run_names(tmp_path):
-    # zcvae.naming writes names like "agg-sum_dist-1_beta-3_seed-2"; a seed equal to another number
+    # zcvae.runs.naming writes names like "agg-sum_dist-1_beta-3_seed-2"; a seed equal to another number
     # in the name (beta-1, seed-1) must still group.
     runs = [
         write_run(tmp_path, f"s{s}", records=history({"nmi": 1.0}), seed=s,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from zcvae.backbone import (
+from zcvae.backbone.pretraining import (
     CHECKPOINT_FILES,
     SUMMARY_FILE,
     PretrainConfig,

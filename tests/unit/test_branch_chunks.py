@@ -13,9 +13,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from zcvae.data import build_tokenizer
-from zcvae.losses import ReconstructionLossConfig
-from zcvae.model import ZCVAE, ModelConfig
-from zcvae.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
+from zcvae.core.losses import ReconstructionLossConfig
+from zcvae.model.cvae import ZCVAE, ModelConfig
+from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.templates import EncodedExample, collate
 
 ATOL = 1e-5

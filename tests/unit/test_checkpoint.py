@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from zcvae.checkpoint import COMPLETE, CheckpointManager, checkpoint_dirs, load_trainable_state, resolve_checkpoint
+from zcvae.runs.checkpoint import COMPLETE, CheckpointManager, checkpoint_dirs, load_trainable_state, resolve_checkpoint
 from zcvae.engines import EngineConfig, build_engine
-from zcvae.model import ModelConfig, ZCVAE
+from zcvae.model.cvae import ModelConfig, ZCVAE
 from zcvae.templates import EncodedExample, collate
 
 C_BASE = {"value": 0.5, "mode": "mean", "fingerprint": "abc123", "source": "validation"}
@@ -27,7 +27,7 @@ C_BASE = {"value": 0.5, "mode": "mean", "fingerprint": "abc123", "source": "vali
 def make_backbone(directory: Path) -> Path:
     from transformers import LlamaForCausalLM
 
-    from zcvae.backbone import tiny_llama_config
+    from zcvae.backbone.pretraining import tiny_llama_config
     from zcvae.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
@@ -235,3 +235,27 @@ def test_meta_records_mode_c_base_and_config(saved):
     assert all(len(entry["sha256"]) == 64 for entry in manifest.values())
     # RNG files load without pickle
     torch.load(path / "rng_rank0.pt", weights_only=True)
+
+
+def test_save_reports_files_written_then_complete_to_its_callback(saved, tmp_path):
+    engine, _ = saved
+    events = []
+
+    def on_event(event, step):
+        # at "files_written" the checkpoint is not complete yet; at "complete" it is
+        events.append((event, step, [p.name for p in checkpoint_dirs(tmp_path / "checkpoints")]))
+
+    CheckpointManager(tmp_path / "checkpoints", keep=1, is_main=True, on_event=on_event).save(
+        engine, step=3, config=config(), c_base=C_BASE)
+    assert events == [("files_written", 3, []), ("complete", 3, ["step_00000003"])]
+
+
+def test_fault_injection_reads_only_its_variables_and_names_a_bad_value():
+    import pytest
+
+    from zcvae.train.faults import fault_injection_from_env
+
+    assert fault_injection_from_env({}) is None
+    assert callable(fault_injection_from_env({"ZCVAE_DEBUG_KILL_AT_STEP": "4"}))
+    with pytest.raises(ValueError, match="ZCVAE_DEBUG_KILL_IN_SAVE_AT_STEP='x'"):
+        fault_injection_from_env({"ZCVAE_DEBUG_KILL_IN_SAVE_AT_STEP": "x"})

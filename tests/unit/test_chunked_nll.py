@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-import zcvae.model as model_module
+import zcvae.model.cvae as model_module
 from zcvae.data import build_tokenizer
-from zcvae.losses import IGNORE_INDEX, gather_span, supervised_token_nll, token_nll
-from zcvae.model import ZCVAE, ModelConfig
+from zcvae.core.losses import IGNORE_INDEX, gather_span, supervised_token_nll, token_nll
+from zcvae.model.cvae import ZCVAE, ModelConfig
 from zcvae.templates import EncodedExample, collate
 
 ATOL = 1e-5

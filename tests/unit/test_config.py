@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from zcvae.cli import add_config_flags, resolve_train_config
+from zcvae.commands.cli import add_config_flags, resolve_train_config
 from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at
 
 
@@ -79,7 +79,7 @@ def test_lr_warmup_then_cosine_to_floor():
 
 
 def test_help_documents_every_field(capsys):
-    from zcvae.cli import build_parser
+    from zcvae.commands.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])

@@ -14,8 +14,8 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is part of the [dev] extra")
 
-from zcvae.cli import main as cli_main  # noqa: E402
-from zcvae.convert import (  # noqa: E402
+from zcvae.commands.cli import main as cli_main  # noqa: E402
+from zcvae.backbone.convert import (  # noqa: E402
     GGUF_RECORD,
     cached_conversion,
     conversion_record,

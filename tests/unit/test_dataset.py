@@ -1,4 +1,4 @@
-"""The sampler (zcvae.dataset): which examples each rank sees at each step, and where they come from.
+"""The sampler (zcvae.data.dataset): which examples each rank sees at each step, and where they come from.
 
 The contracts: the global batch of a step is a pure function of (seed, step), so a resumed run sees
 the batches an uninterrupted one would; every epoch visits each example exactly once; and any
@@ -13,7 +13,7 @@ import pytest
 
 from zcvae.config import TrainConfig
 from zcvae.data import make_examples
-from zcvae.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
+from zcvae.data.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
 
 
 def indices_of_steps(num_steps: int, **kw) -> list[int]:

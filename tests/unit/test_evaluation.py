@@ -1,4 +1,4 @@
-"""Tests for zcvae.evaluation: sharding, lock-step decoding, metrics over gathered records, and the full
+"""Tests for zcvae.eval.evaluation: sharding, lock-step decoding, metrics over gathered records, and the full
 evaluate() on a tiny Llama CVAE, including a simulated 2-rank run (two threads, two model replicas,
 a thread-barrier all_gather_object) on an odd-sized validation set that must match one process."""
 
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from zcvae.evaluation import decode_length, evaluate, gather_records, greedy_decode, shard_indices, summarize
+from zcvae.model.decoding import greedy_decode
+from zcvae.eval.evaluation import decode_length, evaluate, gather_records, shard_indices, summarize
 
 # ---------------------------------------------------------------- pure parts
 
@@ -170,7 +171,7 @@ def _stratified_set():
 
 
 def test_summarize_stratified_and_reachable_metrics_are_exact_on_a_hand_built_set(tmp_path):
-    from zcvae.evaluation import _write_outputs
+    from zcvae.eval.evaluation import _write_outputs
 
     cfg = SimpleNamespace(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
                           router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
@@ -225,7 +226,7 @@ def test_summarize_stratified_and_reachable_metrics_are_exact_on_a_hand_built_se
 
 
 def test_nmi_ratio_is_one_when_nothing_is_reachable():
-    from zcvae.metrics import nmi_ratio, reachable_nmi
+    from zcvae.eval.metrics import nmi_ratio, reachable_nmi
 
     # every input is produced by both strategies equally often: no function of (x, y) tells them apart
     reach, majority = reachable_nmi(["u", "u", "v", "v"], ["a", "b", "a", "b"])
@@ -238,8 +239,8 @@ def test_nmi_ratio_is_one_when_nothing_is_reachable():
 
 def test_decision_positions_of_a_late_family_are_counted_in_token_positions(tmp_path):
     from zcvae.data import build_tokenizer, get_task, make_examples
-    from zcvae.evaluation import _decision_positions
-    from zcvae.metrics import plot_information_gain
+    from zcvae.eval.evaluation import _decision_positions
+    from zcvae.eval.metrics import plot_information_gain
 
     tok = build_tokenizer()
     task = get_task("mul")
@@ -271,7 +272,7 @@ def one_thread():
 def setup(tmp_path_factory):
     from transformers import LlamaForCausalLM
 
-    from zcvae.backbone import tiny_llama_config
+    from zcvae.backbone.pretraining import tiny_llama_config
     from zcvae.config import TrainConfig
     from zcvae.data import build_tokenizer, get_task, make_examples
     from zcvae.templates import encode_examples
@@ -298,7 +299,7 @@ def setup(tmp_path_factory):
 
 def _build_model(cfg):
     from zcvae.data import get_task, make_examples
-    from zcvae.model import ZCVAE
+    from zcvae.model.cvae import ZCVAE
     from zcvae.templates import collate, encode_examples
 
     model = ZCVAE.from_pretrained(cfg.backbone, cfg.model_config(), seed=0)
@@ -316,7 +317,7 @@ def _build_model(cfg):
 
 def _engine_and_reference(cfg, model, val):
     from zcvae.engines import EngineConfig, build_engine
-    from zcvae.reference import ReferenceProvider
+    from zcvae.reference.provider import ReferenceProvider
 
     groups = model.param_groups(lora_lr=1e-3, latent_lr=1e-2, weight_decay=0.0)
     engine = build_engine(EngineConfig(), model=model, param_groups=groups, learning_rate=1e-3)
@@ -396,7 +397,7 @@ def test_evaluate_returns_every_metric_writes_files_and_restores_train_mode(setu
 
 def test_evaluate_losses_and_mi_match_a_direct_whole_set_forward(setup):
     """The reductions over shards and batches equal one forward over the whole set (independent path)."""
-    from zcvae.objective import AuxiliaryWeights, per_example_objective
+    from zcvae.core.objective import AuxiliaryWeights, per_example_objective
     from zcvae.templates import collate
 
     s = setup
@@ -498,9 +499,9 @@ def test_evaluate_run_reproduces_the_trainers_final_evaluation(setup, tmp_path, 
     """train() -> evaluate() at the end -> checkpoint; `zcvae evaluate RUN_DIR` rebuilds it all and agrees."""
     import json
 
-    from zcvae.cli import main
+    from zcvae.commands.cli import main
     from zcvae.config import TrainConfig
-    from zcvae.trainer import train
+    from zcvae.train.trainer import train
 
     s = setup
     run_dir = tmp_path / "run"
@@ -523,14 +524,14 @@ def test_evaluate_run_reproduces_the_trainers_final_evaluation(setup, tmp_path, 
 
 
 def test_evaluate_run_names_a_missing_run_config(tmp_path):
-    from zcvae.evaluation import evaluate_run
+    from zcvae.eval.evaluation import evaluate_run
 
     with pytest.raises(ValueError, match="run_config.json"):
         evaluate_run(tmp_path)
 
 
 def test_reachable_nmi_counts_every_strategy_that_renders_a_y():
-    from zcvae.metrics import reachable_nmi
+    from zcvae.eval.metrics import reachable_nmi
 
     # Three unique inputs: without candidates each is its own majority (NMI 1); with candidates the
     # second is produced by a and b alike, and the tie goes to "a".
@@ -543,8 +544,8 @@ def test_reachable_nmi_counts_every_strategy_that_renders_a_y():
 def test_nmi_reachable_on_mul_equals_the_canonical_strategy_nmi():
     """On ``mul`` (direct = repeated iff b = 1), reachable NMI < 1, computed independently from b."""
     from zcvae.data import build_tokenizer, get_task, make_examples
-    from zcvae.evaluation import _equivalent_strategies
-    from zcvae.metrics import reachable_nmi
+    from zcvae.eval.evaluation import _equivalent_strategies
+    from zcvae.eval.metrics import reachable_nmi
 
     tok = build_tokenizer()
     task = get_task("mul")

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from zcvae.checkpoint import CheckpointManager
-from zcvae.cli import main as cli_main
+from zcvae.runs.checkpoint import CheckpointManager
+from zcvae.commands.cli import main as cli_main
 from zcvae.config import TrainConfig
 from zcvae.engines import EngineConfig, build_engine
-from zcvae.inference import load_for_inference
-from zcvae.model import ZCVAE
+from zcvae.export.inference import load_for_inference
+from zcvae.model.cvae import ZCVAE
 from zcvae.templates import EncodedExample, collate
 
 C_BASE = {"value": 0.25, "mode": "sum", "fingerprint": "f00d", "source": "validation"}
@@ -30,7 +30,7 @@ X, Y = "3 1 4 1", "rev 1 4 1 3 = 3 1 4 1 ."
 def make_backbone(directory: Path, *, hidden_size: int = 32) -> Path:
     from transformers import LlamaForCausalLM
 
-    from zcvae.backbone import tiny_llama_config
+    from zcvae.backbone.pretraining import tiny_llama_config
     from zcvae.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
@@ -151,7 +151,7 @@ def test_load_for_inference(trained, exported, source):
 
 
 def greedy_reference(model, x: str, k: int, max_new_tokens: int) -> str:
-    """Greedy decoding written directly against the peft model (independent of zcvae.inference)."""
+    """Greedy decoding written directly against the peft model (independent of zcvae.export.inference)."""
     t = model.tokens
     ids = [t.bos, t.x_open, *example(model, x, "a").x_ids, t.x_close, t.z_open, t.latents[k], t.z_close, t.y_open]
     out = []

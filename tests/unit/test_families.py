@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from zcvae.cli import build_parser, resolve_train_config
+from zcvae.commands.cli import build_parser, resolve_train_config
 from zcvae.config import BEST_HYBRID, RECONSTRUCTION_WEIGHT_FIELDS, TrainConfig, preset_values
-from zcvae.sweep import (
+from zcvae.commands.sweep import (
     DEFAULT_TEMPLATE,
     SlurmSettings,
     load_family,

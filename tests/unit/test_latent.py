@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from zcvae.latent import (
+from zcvae.core.latent import (
     DiscreteRouter,
     GaussianRouter,
     SoftPromptProjection,

@@ -1,4 +1,4 @@
-"""Tests for zcvae.losses against a per-example Python-loop reference and the seed identities.
+"""Tests for zcvae.core.losses against a per-example Python-loop reference and the seed identities.
 
 Shape legend: B examples, K latent branches, N span slots, T positions, V vocabulary.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zcvae.losses import (
+from zcvae.core.losses import (
     DIAGNOSTIC_REDUCTIONS,
     RECONSTRUCTION_TERMS,
     ReconstructionLossConfig,

@@ -1,4 +1,4 @@
-"""marginal_router_terms (zcvae.objective): the router's batch-level terms on the global marginal of q.
+"""marginal_router_terms (zcvae.core.objective): the router's batch-level terms on the global marginal of q.
 
 Values against closed forms (uniform and one-hot marginals) and SciPy's entropy, the signs of the two
 weights, and the gradient contract: each rank's term differentiates through its own q only, and the
@@ -15,7 +15,7 @@ import pytest
 import torch
 from scipy.stats import entropy
 
-from zcvae.objective import AuxiliaryWeights, marginal_router_terms
+from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms
 
 K = 4
 

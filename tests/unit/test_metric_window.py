@@ -1,4 +1,4 @@
-"""MetricWindow (zcvae.trainer): the running per-example reductions the trainer logs.
+"""MetricWindow (zcvae.train.trainer): the running per-example reductions the trainer logs.
 
 Each per-example value is reduced as ``losses.DIAGNOSTIC_REDUCTIONS`` says, over *valid* examples
 only (invalid rows hold 0 and must not pull a minimum down or count in a mean), accumulated across
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from zcvae.losses import DIAGNOSTIC_REDUCTIONS
-from zcvae.trainer import MetricWindow
+from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS
+from zcvae.train.trainer import MetricWindow
 
 # two micro-batches; the second row of the first and the last of the second are invalid
 VALID = [torch.tensor([1.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 0.0])]

@@ -1,4 +1,4 @@
-"""Tests for zcvae.metrics: hand-computed values, scikit-learn's documented examples, brute force."""
+"""Tests for zcvae.eval.metrics: hand-computed values, scikit-learn's documented examples, brute force."""
 
 import math
 import os
@@ -9,7 +9,7 @@ import torch
 
 from sklearn.metrics import normalized_mutual_info_score
 
-from zcvae.metrics import (
+from zcvae.eval.metrics import (
     cluster_scores,
     controllability_metrics,
     discrete_latent_metrics,

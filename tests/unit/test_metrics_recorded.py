@@ -15,7 +15,7 @@ from sklearn.cluster import KMeans
 from sklearn.metrics import adjusted_rand_score, homogeneity_completeness_v_measure, normalized_mutual_info_score
 
 from metrics_cases import ASSIGN_CASES, CLUSTER_CASES, CONTROL_CASES, DISCRETE_CASES, GAUSSIAN_CASES, KMEANS_CASES
-from zcvae.metrics import controllability_metrics, discrete_latent_metrics, gaussian_latent_metrics
+from zcvae.eval.metrics import controllability_metrics, discrete_latent_metrics, gaussian_latent_metrics
 
 
 @pytest.mark.parametrize("case", range(len(CLUSTER_CASES)))

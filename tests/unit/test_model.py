@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from zcvae.data import build_tokenizer, make_examples
-from zcvae.latent import gaussian_kl
-from zcvae.losses import gather_span, token_nll
-from zcvae.model import ZCVAE, ModelConfig
+from zcvae.core.latent import gaussian_kl
+from zcvae.core.losses import gather_span, token_nll
+from zcvae.model.cvae import ZCVAE, ModelConfig
 from zcvae.templates import collate, encode_examples
 
 
@@ -359,7 +359,7 @@ def test_bad_configuration(backbones, tmp_path):
     with pytest.raises(ValueError, match="no_such_backbone"):
         ZCVAE.from_pretrained(str(missing), ModelConfig())
     with pytest.raises(ValueError, match="lora_target_modules"):
-        from zcvae.model import default_lora_targets
+        from zcvae.model.cvae import default_lora_targets
 
         default_lora_targets("mamba")
     model, batch = load(backbones, "llama", calibrate=False, num_latents=2)

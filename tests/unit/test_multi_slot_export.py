@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from zcvae.checkpoint import CheckpointManager
-from zcvae.cli import main as cli_main
+from zcvae.runs.checkpoint import CheckpointManager
+from zcvae.commands.cli import main as cli_main
 from zcvae.config import TrainConfig
 from zcvae.engines import EngineConfig, build_engine
-from zcvae.inference import load_for_inference
-from zcvae.model import ZCVAE
+from zcvae.export.inference import load_for_inference
+from zcvae.model.cvae import ZCVAE
 from zcvae.templates import EncodedExample, collate
 
 C_BASE = {"value": 0.25, "mode": "mean", "fingerprint": "f00d", "source": "validation"}
@@ -23,7 +23,7 @@ X = "3 1 4 1"
 def make_backbone(directory: Path) -> Path:
     from transformers import LlamaForCausalLM
 
-    from zcvae.backbone import tiny_llama_config
+    from zcvae.backbone.pretraining import tiny_llama_config
     from zcvae.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer()

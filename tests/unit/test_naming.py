@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from zcvae.naming import (
+from zcvae.runs.naming import (
     ABBREVIATIONS,
     AGGREGATION_MODE_FIELD,
     DEFAULT_EXCLUDE,

@@ -19,7 +19,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from zcvae.data import build_tokenizer
-from zcvae.model import ZCVAE, ModelConfig
+from zcvae.model.cvae import ZCVAE, ModelConfig
 from zcvae.templates import EncodedExample, collate
 
 ATOL = 1e-5

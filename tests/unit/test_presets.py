@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from zcvae.aggregate import aggregate_runs, format_table
-from zcvae.cli import build_parser, resolve_train_config
+from zcvae.commands.aggregate import aggregate_runs, format_table
+from zcvae.commands.cli import build_parser, resolve_train_config
 from zcvae.config import (
     DEFAULT_OBJECTIVE,
     OBJECTIVE_PRESETS,
@@ -16,7 +16,7 @@ from zcvae.config import (
     parse_train_run_name,
     train_run_name,
 )
-from zcvae.losses import ReconstructionLossConfig, reconstruction_weights
+from zcvae.core.losses import ReconstructionLossConfig, reconstruction_weights
 
 RAW, DIST, EX, TOK, TOKCC, TOKINV = RECONSTRUCTION_WEIGHT_FIELDS
 

@@ -17,16 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from zcvae.losses import base_loss, gather_span, surprisal_share_weights, token_nll
-from zcvae.reference import (
-    CBase,
+from zcvae.core.losses import base_loss, gather_span, surprisal_share_weights, token_nll
+from zcvae.reference.c_base import CBase, c_base_from_store, c_base_from_sum_count, c_base_sum_count, resolve_c_base
+from zcvae.reference.provider import ReferenceProvider
+from zcvae.reference.store import (
     ReferenceFingerprint,
-    ReferenceProvider,
     ReferenceStore,
     ReferenceStoreError,
-    c_base_from_store,
-    c_base_from_sum_count,
-    c_base_sum_count,
     compute_reference_store,
     default_policy,
     fingerprint_backbone,
@@ -34,7 +31,6 @@ from zcvae.reference import (
     load_or_build_reference_store,
     num_reference_forwards,
     reference_fingerprint,
-    resolve_c_base,
     sidecar_path,
     store_path,
 )

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from zcvae.naming import AGGREGATION_MODE_FIELD as AGG
-from zcvae.naming import parse_run_name
-from zcvae.sweep import (
+from zcvae.runs.naming import AGGREGATION_MODE_FIELD as AGG
+from zcvae.runs.naming import parse_run_name
+from zcvae.commands.sweep import (
     DEFAULT_TEMPLATE,
     Run,
     SlurmSettings,
@@ -152,7 +152,7 @@ def test_family_renders_and_every_run_is_recovered_from_its_script(tmp_path, fak
 
 
 def test_rendered_flags_parse_with_the_real_train_cli(tmp_path):
-    cli = pytest.importorskip("zcvae.cli")
+    cli = pytest.importorskip("zcvae.commands.cli")
     family_file = tmp_path / "pilot.yaml"
     family_file.write_text(FAMILY_YAML)
     out = tmp_path / "out"

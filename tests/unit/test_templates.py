@@ -85,3 +85,21 @@ def test_batch_to_keeps_python_fields(tokenizer):
     batch = collate([EncodedExample("q", (1,), (2, 3), "s")], tokens)
     moved = batch.to(torch.device("cpu"))
     assert moved.ids == ["q"] and moved.strategies == ["s"] and torch.equal(moved.input_ids, batch.input_ids)
+
+
+def test_the_reference_fingerprint_text_is_rendered_from_the_template_and_unchanged():
+    # Byte-identical to the hand-kept string it replaced: otherwise every stored reference store
+    # would silently stop matching its fingerprint and be rebuilt.
+    from zcvae.reference.store import TEMPLATE_LAYOUT
+    from zcvae.templates import zfree_fingerprint_text
+
+    want = "<bos> <x> {x} </x> <y> {y} </y> <eos>; supervised: y + </y>"
+    assert zfree_fingerprint_text() == TEMPLATE_LAYOUT == want
+
+
+def test_markers_have_one_home():
+    from zcvae import templates
+    from zcvae.data import tokenizer
+
+    assert templates.MARKERS is tokenizer.TEMPLATE_TOKENS
+    assert (templates.X_OPEN, templates.Y_CLOSE, templates.ZNULL) == ("<x>", "</y>", "<znull>")

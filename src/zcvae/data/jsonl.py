@@ -13,14 +13,13 @@ crash leaves either the old file or the complete new one, never a partial file.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from zcvae.data.tasks import Example
+from zcvae.runs.rundir import atomic_write_bytes
 
 _REQUIRED_FIELDS = ("id", "x", "y")
 _FIELDS = (*_REQUIRED_FIELDS, "strategy")
@@ -123,15 +122,5 @@ def write_jsonl(path: str | os.PathLike, examples: Iterable[Example]) -> None:
             raise ValueError(f"{where}: example id {example.id!r}: text is not encodable as UTF-8: {error}") from None
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.writelines(lines)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp_name, 0o644)  # mkstemp creates 0600; a dataset file should be readable like any other
-        os.replace(temp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp_name)
-        raise
+    # fsync: a dataset written once and read by many runs must survive a crash right after the rename
+    atomic_write_bytes(path, b"".join(lines), fsync=True, mode=0o644)

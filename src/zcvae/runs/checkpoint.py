@@ -29,9 +29,9 @@ naming both values: a changed ``reconstruction_loss_token_aggregation_mode`` or 
 objective would silently change), a different engine, a DeepSpeed world size change (ZeRO partitions
 do not reshard), and a changed latent or LoRA shape.
 
-Debug hooks for the crash tests (environment, off unless set): ``ZCVAE_DEBUG_KILL_AT_STEP=k`` SIGKILLs
-every rank right after checkpoint ``k`` is complete; ``ZCVAE_DEBUG_KILL_IN_SAVE_AT_STEP=k`` SIGKILLs every
-rank after the files of checkpoint ``k`` are written but before ``COMPLETE`` (a crash mid-save).
+Events: ``CheckpointManager(on_event=f)`` calls ``f("files_written", step)`` after every rank wrote
+the files of a checkpoint but before ``COMPLETE``, and ``f("complete", step)`` once it is in place. The
+crash tests kill the process there (``zcvae.train.faults``).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ import os
 import random
 import re
 import shutil
-import signal
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -272,25 +272,24 @@ def _latent_buffers(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _debug_kill(variable: str, step: int) -> None:
-    # DEBUG HOOK for the crash tests: SIGKILL leaves no chance to clean up, like a lost node.
-    value = os.environ.get(variable)
-    if value is not None and value.strip() and int(value) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class CheckpointManager:
     """Saves and loads resumable checkpoints under one directory (``RUN_DIR/checkpoints``).
 
     Call :meth:`save` and :meth:`load` on every rank: both hold barriers and collectives.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int, is_main: bool):
+    def __init__(self, directory: str | os.PathLike, *, keep: int, is_main: bool,
+                 on_event: Callable[[str, int], None] | None = None):
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep_last_checkpoints must be an int >= 1, got {keep!r}")
         self.directory = Path(directory)
         self.keep = keep
         self.is_main = is_main
+        self.on_event = on_event  # (event, step): "files_written", then "complete"
+
+    def _event(self, event: str, step: int) -> None:
+        if self.on_event is not None:
+            self.on_event(event, step)
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}"
@@ -342,7 +341,7 @@ class CheckpointManager:
                 save_file(buffers, str(tmp / BUFFERS))
             (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
         engine.barrier()
-        _debug_kill("ZCVAE_DEBUG_KILL_IN_SAVE_AT_STEP", step)
+        self._event("files_written", step)
 
         if self.is_main:
             complete = {"format": FORMAT_VERSION, "step": step, "files": _manifest(tmp)}
@@ -361,7 +360,7 @@ class CheckpointManager:
             _fsync_dir(self.directory)
             self._prune()
         engine.barrier()
-        _debug_kill("ZCVAE_DEBUG_KILL_AT_STEP", step)
+        self._event("complete", step)
         return final
 
     def _prune(self) -> None:

@@ -21,7 +21,7 @@ to ``output_dir + ".tmp"`` and renamed, so ``is_pretrained`` never accepts a hal
 
 Run (2 CPU cores; about 1-2 minutes for the defaults on the default task)::
 
-    python -m zcvae.backbone output_dir=runs/backbone    # or: zcvae pretrain --output-dir runs/backbone
+    python -m zcvae.backbone.pretraining output_dir=runs/backbone    # or: zcvae pretrain --output-dir runs/backbone
 
 Shape legend: B batch, T sequence length, V vocabulary, P prompt length, G generated tokens.
 """
@@ -45,7 +45,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from zcvae.core.losses import token_nll
+from zcvae.core.schedule import lr_multiplier
 from zcvae.distributed import flush_denormals, free_cpu_cores
+from zcvae.runs.rundir import builtin_backbone_dir
 from zcvae.templates import (
     IGNORE_INDEX,
     NUM_FRAME_TOKENS,
@@ -203,6 +206,18 @@ def tiny_llama_config(
     )
 
 
+def builtin_backbone(task: str | None, *, log=print) -> Path:
+    """The built-in tiny backbone pretrained on ``task`` (seed 0), built once into the cache
+    (``rundir.builtin_backbone_dir``) and reused."""
+    pcfg = PretrainConfig(task=task, seed=0)
+    cache = builtin_backbone_dir(pcfg.task)
+    pcfg.output_dir = str(cache)
+    if not is_pretrained(cache):
+        log(f"[backbone] pretraining the built-in backbone into {cache}")
+        pretrain(pcfg, log=log)
+    return cache
+
+
 def is_pretrained(output_dir: str | os.PathLike) -> bool:
     """Whether ``output_dir`` holds a finished backbone checkpoint (all files, readable summary)."""
     path = Path(output_dir)
@@ -218,28 +233,15 @@ def is_pretrained(output_dir: str | os.PathLike) -> bool:
 # ---- pure pieces ---------------------------------------------------------------------------------
 
 
-def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr for the update number ``step`` (0-based): linear warm-up, cosine to min."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def span_nll(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token NLL (nats) of the supervised labels; logits at t predict labels at t + 1.
 
     Returns ``nll_BT`` (0 where unsupervised; position t scores the label at t + 1) and ``mask_BT``.
+    The NLL is ``core.losses.token_nll``, the one the CVAE uses (bit-identical to the cross-entropy
+    this function computed itself before, checked on CPU for float32 and bfloat16 logits).
     """
-    logits_BTV = logits_BTV[:, :-1].float()
-    target_BT = labels_BT[:, 1:]
-    mask_BT = target_BT != IGNORE_INDEX
-    nll_BT = F.cross_entropy(
-        logits_BTV.reshape(-1, logits_BTV.shape[-1]),
-        target_BT.clamp_min(0).reshape(-1),
-        reduction="none",
-    ).view_as(target_BT)
-    return nll_BT * mask_BT, mask_BT
+    mask_BT = labels_BT[:, 1:] != IGNORE_INDEX
+    return token_nll(logits_BTV, labels_BT) * mask_BT, mask_BT
 
 
 def mix_templates(
@@ -646,7 +648,7 @@ def _parse_value(text: str):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m zcvae.backbone key=value ...`` (keys of PretrainConfig)."""
+    """``python -m zcvae.backbone.pretraining key=value ...`` (keys of PretrainConfig)."""
     values = {}
     for arg in sys.argv[1:] if argv is None else argv:
         key, sep, text = arg.partition("=")

@@ -56,7 +56,7 @@ def resolve_train_config(args: argparse.Namespace, cls=TrainConfig):
 
 
 def _cmd_train(args) -> int:
-    from zcvae.trainer import train
+    from zcvae.train.trainer import train
 
     cfg = resolve_train_config(args)
     train(cfg, overwrite=args.overwrite)
@@ -64,7 +64,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_pretrain(args) -> int:
-    from zcvae.backbone import PretrainConfig, pretrain
+    from zcvae.backbone.pretraining import PretrainConfig, pretrain
 
     values = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(PretrainConfig)}}
     if getattr(args, "config", None):
@@ -74,7 +74,7 @@ def _cmd_pretrain(args) -> int:
 
 
 def _cmd_evaluate(args) -> int:
-    from zcvae.evaluation import evaluate_run
+    from zcvae.eval.evaluation import evaluate_run
 
     metrics = evaluate_run(args.run_dir, output=args.output)
     for name in sorted(metrics):
@@ -85,13 +85,13 @@ def _cmd_evaluate(args) -> int:
 
 
 def _cmd_aggregate(argv) -> int:
-    from zcvae.aggregate import main as aggregate_main
+    from zcvae.commands.aggregate import main as aggregate_main
 
     return aggregate_main(argv)
 
 
 def _cmd_demo(args) -> int:
-    from zcvae.demo import run_demo
+    from zcvae.commands.demo import run_demo
 
     run_demo(output_dir=args.output_dir, quick=args.quick, seeds=args.seeds, jobs=args.jobs)
     return 0
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(p)
     p.set_defaults(func=_cmd_train)
 
-    from zcvae.backbone import PretrainConfig
+    from zcvae.backbone.pretraining import PretrainConfig
 
     p = sub.add_parser("pretrain", help="Pretrain the entangled tiny backbone on a synthetic task or JSONL data.")
     p.add_argument("--config", help="YAML or JSON file of pretraining fields.")
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="runs/demo")
     p.add_argument("--quick", action="store_true", help="A few steps per run, for tests.")
     p.add_argument("--seeds", type=int, default=1, help="Seeds per configuration (3 for the full table: mean ± std).")
-    p.add_argument("--jobs", type=int, default=None, help="Runs at once, one thread each (default: zcvae.demo.DEMO_JOBS).")
+    p.add_argument("--jobs", type=int, default=None, help="Runs at once, one thread each (default: zcvae.commands.demo.DEMO_JOBS).")
     p.set_defaults(func=_cmd_demo)
 
     for name, help_text in (
@@ -146,15 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "aggregate":
         return _cmd_aggregate(argv[1:])
     if argv and argv[0] == "sweep":
-        from zcvae.sweep import local_main
+        from zcvae.commands.sweep import local_main
 
         return local_main(argv[1:])
     if argv and argv[0] in ("export", "generate", "encode"):
-        from zcvae import inference
+        from zcvae.export import inference
 
         return getattr(inference, f"{argv[0]}_main")(argv[1:])
     if argv and argv[0] == "convert-gguf":
-        from zcvae.convert import main as convert_main
+        from zcvae.backbone.convert import main as convert_main
 
         return convert_main(argv[1:])
     parser = build_parser()

@@ -17,7 +17,7 @@ template gives the prior p(z|x) from the final hidden state at ``</x>`` (causal:
 and the posterior q(z|x,y) from the state at ``</y>``; the K branches then run as one batched forward
 of B*K rows (optionally in chunks, each rebuilt in the backward so branch memory does not grow with K),
 and the trainer takes the exact expectation over q. Every pass runs the decoder only; the LM head is
-applied at the supervised positions, in chunks (``losses.supervised_token_nll``).
+applied at the supervised positions, in chunks (``core.losses.supervised_token_nll``).
 
 Gaussian latent (``latent_type="continuous"``): q(z|x,y) = N(mu, diag e^logvar) from the ``</y>``
 state, p(z|x) learned from ``</x>`` (or N(0, I)); S reparameterised samples are projected to M
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zcvae.latent import (
+from zcvae.core.latent import (
     DiscreteRouter,
     GaussianRouter,
     SoftPromptProjection,
@@ -52,7 +52,7 @@ from zcvae.latent import (
     gaussian_kl,
     inter_latent_divergence,
 )
-from zcvae.losses import gather_span, supervised_token_nll, token_nll
+from zcvae.core.losses import gather_span, supervised_token_nll, token_nll
 from zcvae.templates import IGNORE_INDEX, ZNULL, Batch, TemplateTokens, prepare_tokenizer
 
 __all__ = ["CVAEOutput", "LATENT_TYPES", "MODES", "ModelConfig", "ZCVAE", "default_lora_targets"]

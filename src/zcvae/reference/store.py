@@ -1,4 +1,5 @@
-"""z-free reference statistics: per-token surprisal b_t, the precomputed store, c_base per mode.
+"""z-free reference statistics: per-token surprisal b_t and the precomputed store (c_base per mode:
+zcvae.reference.c_base; what the trainer holds: zcvae.reference.provider).
 
 The reference is the frozen backbone (adapters disabled) reading the z-free template
 ``<bos> <x> {x} </x> <y> {y} </y> <eos>`` under teacher forcing (seed 002, frozen policy). Its
@@ -39,9 +40,9 @@ ValueError) naming the file; :func:`load_or_build_reference_store` catches it, w
 name and the reason, and rebuilds (the store is a cache: recomputing is always correct).
 
 c_base (seed 001, 004) is the mean over the validation set of A_mode(b_i), in the training objective's
-aggregation mode, reduced as a ``(sum, count)`` pair across ranks; it is recorded as a :class:`CBase`
+aggregation mode, reduced as a ``(sum, count)`` pair across ranks; it is recorded as a :class:`~zcvae.reference.c_base.CBase`
 with its mode, the validation fingerprint and its source. A stored c_base of another mode or
-fingerprint is never reused (:func:`resolve_c_base`).
+fingerprint is never reused (:func:`~zcvae.reference.c_base.resolve_c_base`).
 
 Shape legend: B examples, N left-aligned supervised positions (y tokens + ``</y>``), E examples in a
 store. Units: b in nats per token; c_base in nats per token (mean) or nats per sequence (sum).
@@ -54,7 +55,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -64,22 +64,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from zcvae.losses import AGGREGATION_MODES, base_loss
-from zcvae.templates import Batch, EncodedExample, TemplateTokens, collate
+from zcvae.runs.rundir import atomic_write
+from zcvae.templates import Batch, EncodedExample, TemplateTokens, collate, zfree_fingerprint_text
 
 __all__ = [
     "C_BASE_SOURCES",
     "DEFAULT_CACHE_DIR",
     "POLICIES",
-    "CBase",
     "ReferenceBatch",
     "ReferenceFingerprint",
-    "ReferenceProvider",
     "ReferenceStore",
     "ReferenceStoreError",
-    "c_base_from_store",
-    "c_base_from_sum_count",
-    "c_base_sum_count",
     "compute_reference_store",
     "default_policy",
     "fingerprint_backbone",
@@ -88,7 +83,6 @@ __all__ = [
     "num_reference_forwards",
     "reference_fingerprint",
     "reference_output",
-    "resolve_c_base",
     "store_path",
 ]
 
@@ -98,7 +92,7 @@ DEFAULT_CACHE_DIR = Path("~/.cache/zcvae/reference")
 STORE_FORMAT = "zcvae-reference/1"
 # Part of the fingerprint: a change of the z-free template (or of what is supervised) must invalidate
 # every store, even though the token ids of the markers may stay the same.
-TEMPLATE_LAYOUT = "<bos> <x> {x} </x> <y> {y} </y> <eos>; supervised: y + </y>"
+TEMPLATE_LAYOUT = zfree_fingerprint_text()
 _HASH_CHUNK = 1 << 24
 
 
@@ -436,7 +430,7 @@ class ReferenceStore:
     def lookup(
         self, ids: Sequence[str], device: torch.device | str | None = None, *, n_span: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ref_nll_BN float32, mask_BN bool)`` left-aligned and zero-padded like ``losses.gather_span``.
+        """``(ref_nll_BN float32, mask_BN bool)`` left-aligned and zero-padded like ``core.losses.gather_span``.
 
         N is the longest span among ``ids`` unless ``n_span`` is given. KeyError names a missing id.
         """
@@ -517,17 +511,7 @@ def store_path(cache_dir: str | os.PathLike | None, name: str, fingerprint: str)
 
 
 def _atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, write, fsync=True)  # a store is expensive to rebuild: on disk before the rename
 
 
 def load_or_build_reference_store(
@@ -580,262 +564,10 @@ def load_or_build_reference_store(
         all_gather_object=all_gather_object,
         device=device,
     )
-    assert set(values) == wanted_ids, "the reference batches cover every example exactly once"
+    if set(values) != wanted_ids:  # depends on the world size and sharding, so not an assert (-O drops those)
+        missing = sorted(wanted_ids - set(values))
+        raise RuntimeError(f"reference batches covered {len(values)} of {len(wanted_ids)} examples; missing ids {missing[:5]}")
     store = ReferenceStore.from_values(values, fingerprint=digest)
     if write if write is not None else rank == 0:
         store.save(path, parts=fingerprint.to_dict())
     return store
-
-
-# ----------------------------------------------------------------------------------------------
-# c_base
-# ----------------------------------------------------------------------------------------------
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in AGGREGATION_MODES:
-        raise ValueError(f"mode must be one of {AGGREGATION_MODES}, got {mode!r}")
-
-
-def _check_scale(value: Any, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{field} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{field} must be finite and > 0, got {value!r}")
-    return float(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class CBase:
-    """The z-free reference scale c_base and what it was computed for."""
-
-    value: float
-    """Mean over the validation set of A_mode(b_i) (nats/token under mean, nats/sequence under sum),
-    or the user's ``zfree_reference_scale``."""
-    mode: str
-    """Token aggregation mode the value belongs to: ``mean`` or ``sum`` (seed 001: never mixed)."""
-    fingerprint: str
-    """Digest of the validation reference (backbone, template, vocabulary, data) it was computed on;
-    for a user value, the run's digest at the time (recorded, not checked)."""
-    source: str
-    """``validation`` (computed) or ``user`` (given as zfree_reference_scale)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "value", _check_scale(self.value, "c_base value"))
-        _check_mode(self.mode)
-        if self.source not in C_BASE_SOURCES:
-            raise ValueError(f"c_base source must be one of {C_BASE_SOURCES}, got {self.source!r}")
-        if not isinstance(self.fingerprint, str):
-            raise ValueError(f"c_base fingerprint must be a string, got {self.fingerprint!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "CBase":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown, missing = sorted(set(values) - names), sorted(names - set(values))
-        if unknown or missing:
-            raise ValueError(f"c_base record: unknown keys {unknown}, missing keys {missing}")
-        return cls(**values)
-
-
-def c_base_sum_count(ref_nll_BN: torch.Tensor, mask_BN: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum_i A_mode(b_i), number of examples with a supervised token)`` of one batch, float64 scalars.
-
-    Accumulate over batches, all-reduce both (one ``all_reduce`` of the stacked pair) and finish with
-    :func:`c_base_from_sum_count`. float64 keeps the result independent of the sharding to ~1e-15.
-    """
-    _check_mode(mode)
-    per_example_B = base_loss(ref_nll_BN.detach().to(torch.float64), mask_BN, mode)  # (B,)
-    valid_B = mask_BN.any(dim=-1)
-    total = torch.where(valid_B, per_example_B, torch.zeros_like(per_example_B)).sum()
-    return total, valid_B.sum().to(torch.float64)
-
-
-def c_base_from_sum_count(total: float | torch.Tensor, count: float | torch.Tensor, *, mode: str, fingerprint: str) -> CBase:
-    """c_base = total / count (globally reduced), recorded as a validation value; ValueError if count is 0."""
-    count = float(count)
-    if count <= 0:
-        raise ValueError("c_base: the validation set has no example with a supervised token")
-    return CBase(value=float(total) / count, mode=mode, fingerprint=fingerprint, source="validation")
-
-
-def c_base_from_store(store: ReferenceStore, val_ids: Sequence[str], mode: str, *, chunk_size: int = 1024) -> CBase:
-    """c_base over ``val_ids`` of a store (every rank holds the whole store: no reduction needed)."""
-    _check_mode(mode)
-    total = torch.zeros((), dtype=torch.float64)
-    count = torch.zeros((), dtype=torch.float64)
-    ids = list(val_ids)
-    for start in range(0, len(ids), chunk_size):
-        s, c = c_base_sum_count(*store.lookup(ids[start : start + chunk_size]), mode)
-        total, count = total + s, count + c
-    return c_base_from_sum_count(total, count, mode=mode, fingerprint=store.fingerprint)
-
-
-def resolve_c_base(
-    *,
-    mode: str,
-    fingerprint: str,
-    stored: CBase | None,
-    user_value: float | None,
-    recompute: Callable[[], CBase] | None,
-) -> CBase:
-    """The c_base a run uses.
-
-    1. ``user_value`` (the config's ``zfree_reference_scale``) wins and is recorded with source "user".
-    2. ``stored`` (e.g. from a checkpoint) is reused only if its mode and fingerprint are the run's.
-    3. Otherwise ``recompute()`` (which must return this mode and fingerprint); with ``recompute`` None,
-       ValueError naming the stored and the wanted mode/fingerprint (seed 001: a mean-scale c_base is
-       never silently the denominator of a sum-scale objective).
-    """
-    _check_mode(mode)
-    if user_value is not None:
-        return CBase(value=_check_scale(user_value, "zfree_reference_scale"), mode=mode, fingerprint=fingerprint, source="user")
-    if stored is not None and stored.mode == mode and stored.fingerprint == fingerprint:
-        return stored
-    if recompute is not None:
-        fresh = recompute()
-        if fresh.mode != mode or fresh.fingerprint != fingerprint:
-            raise ValueError(f"recomputed c_base has mode={fresh.mode!r} fingerprint={fresh.fingerprint[:16]!r}, "
-                             f"wanted mode={mode!r} fingerprint={fingerprint[:16]!r}")
-        return fresh
-    if stored is not None:
-        raise ValueError(
-            f"stored c_base (mode={stored.mode!r}, fingerprint={stored.fingerprint[:16]!r}, source={stored.source!r}) "
-            f"does not match this run (mode={mode!r}, fingerprint={fingerprint[:16]!r}) and recomputation is off: "
-            "recompute it on the validation set or give zfree_reference_scale"
-        )
-    raise ValueError("no c_base: nothing stored, no zfree_reference_scale, and recomputation is off")
-
-
-# ----------------------------------------------------------------------------------------------
-# What the trainer holds
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class ReferenceProvider:
-    """The run's reference policy, its c_base and (precomputed) the store of train and validation b.
-
-    The trainer calls :meth:`ref_nll` once per micro-batch on every rank, before the training forward.
-    """
-
-    policy: str
-    c_base: CBase
-    fingerprints: dict[str, str]
-    store: ReferenceStore | None = None
-
-    @classmethod
-    def build(
-        cls,
-        cfg,
-        *,
-        engine,
-        model,
-        backbone: str | os.PathLike,
-        train: Sequence[EncodedExample],
-        val: Sequence[EncodedExample],
-        passes: float,
-        log: Callable[[str], Any] = print,
-        stored_c_base: CBase | None = None,
-    ) -> "ReferenceProvider":
-        """Choose the policy, build or load the stores, and resolve c_base (collective: call on every rank).
-
-        Reads from ``cfg``: reference_policy (auto | online | precomputed), reference_cache_dir,
-        reconstruction_loss_token_aggregation_mode, zfree_reference_scale, micro_batch_size (the batch
-        size of the reference pass), precision and seed (fingerprint extras: they change b or the new
-        marker rows the reference reads). ``model`` provides ``tokens`` and ``tokenizer``; ``engine``
-        provides ``module`` (wrapped), ``all_reduce`` and ``info`` (rank, world_size, device).
-        """
-        from zcvae.distributed import dist_info
-
-        info = getattr(engine, "info", None) or dist_info()
-        gather = torch.distributed.all_gather_object if info.world_size > 1 else None
-        mode = cfg.reconstruction_loss_token_aggregation_mode
-        policy = cfg.reference_policy
-        if policy == "auto":
-            policy = default_policy(passes)
-        if policy not in POLICIES:
-            raise ValueError(f"reference_policy must be one of {('auto', *POLICIES)}, got {cfg.reference_policy!r}")
-        try:
-            backbone_digest = fingerprint_backbone(backbone)
-        except ValueError as e:
-            if cfg.reference_policy == "precomputed":
-                raise ValueError(f"reference_policy=precomputed needs a fingerprintable backbone: {e}") from e
-            if policy == "precomputed":
-                log(f"[reference] {e}; falling back to the online policy")
-                policy = "online"
-            backbone_digest = hashlib.sha256(f"unhashed:{backbone}".encode()).hexdigest()
-        extra = {"precision": getattr(cfg, "precision", None), "seed": getattr(cfg, "seed", None)}
-        fps = {
-            split: reference_fingerprint(backbone=backbone_digest, tokens=model.tokens, vocab=model.tokenizer, examples=examples, extra=extra)
-            for split, examples in (("train", train), ("validation", val))
-        }
-        common = dict(
-            tokens=model.tokens,
-            batch_size=cfg.micro_batch_size,
-            rank=info.rank,
-            world_size=info.world_size,
-            cache_dir=cfg.reference_cache_dir,
-            write=info.local_rank == 0,
-            all_gather_object=gather,
-            device=info.device,
-            num_z_slots=cfg.slot_tokens,
-        )
-        store = None
-        if policy == "precomputed":
-            stores = {
-                split: load_or_build_reference_store(engine.module, examples, fingerprint=fps[split], name=split, **common)
-                for split, examples in (("train", train), ("validation", val))
-            }
-            store = _merge_stores(stores["train"], stores["validation"], train, val)
-
-            def recompute() -> CBase:
-                return c_base_from_store(stores["validation"], [ex.id for ex in val], mode)
-
-        else:
-
-            def recompute() -> CBase:
-                total = torch.zeros((), dtype=torch.float64, device=info.device)
-                count = torch.zeros((), dtype=torch.float64, device=info.device)
-                batches = iter_reference_batches(val, model.tokens, batch_size=cfg.micro_batch_size, rank=info.rank, world_size=info.world_size, num_z_slots=cfg.slot_tokens)
-                with torch.no_grad():
-                    for batch, keep in batches:
-                        ref_nll_BN, mask_BN = reference_output(engine.module(batch.to(info.device), mode="reference"))
-                        if keep:
-                            s, c = c_base_sum_count(ref_nll_BN, mask_BN, mode)
-                            total, count = total + s, count + c
-                total, count = engine.all_reduce(torch.stack([total, count])).tolist()
-                return c_base_from_sum_count(total, count, mode=mode, fingerprint=fps["validation"].digest)
-
-        c_base = resolve_c_base(
-            mode=mode, fingerprint=fps["validation"].digest, stored=stored_c_base,
-            user_value=cfg.zfree_reference_scale, recompute=recompute,
-        )
-        log(f"[reference] policy {policy}; c_base[{mode}] = {c_base.value:.6g} ({c_base.source})")
-        return cls(policy=policy, c_base=c_base, fingerprints={k: v.digest for k, v in fps.items()}, store=store)
-
-    def ref_nll(self, engine, batch: Batch) -> torch.Tensor:
-        """The z-free reference NLL of ``batch``, [B, N] left-aligned (0 past each span)."""
-        if self.store is not None:
-            return self.store.lookup(batch.ids, device=batch.input_ids.device)[0]
-        with torch.no_grad():
-            ref_nll_BN, _ = reference_output(engine.module(batch, mode="reference"))
-        return ref_nll_BN
-
-
-def _merge_stores(
-    train_store: ReferenceStore, val_store: ReferenceStore, train: Sequence[EncodedExample], val: Sequence[EncodedExample]
-) -> ReferenceStore:
-    """One store over both splits; an id in both must name the same example (then b is the same)."""
-    train_by_id = {ex.id: ex for ex in train}
-    for ex in val:
-        other = train_by_id.get(ex.id)
-        if other is not None and (other.x_ids, other.y_ids) != (ex.x_ids, ex.y_ids):
-            raise ValueError(f"example id {ex.id!r} names different examples in train and validation: "
-                             "ids must be unique across splits for the precomputed reference")
-    values = {i: val_store.get(i) for i in val_store.ids}
-    values.update({i: train_store.get(i) for i in train_store.ids})
-    digest = hashlib.sha256(f"{train_store.fingerprint}+{val_store.fingerprint}".encode()).hexdigest()
-    return ReferenceStore.from_values(values, fingerprint=digest)

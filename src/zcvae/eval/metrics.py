@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from zcvae.runs.rundir import atomic_write
 
 # scikit-learn and SciPy are imported inside the functions that use them: importing sklearn.cluster
 # takes seconds, which every process that merely imports the evaluation would pay at start-up.
@@ -613,15 +614,7 @@ def plot_latent_figure(
         if title:
             fig.suptitle(title)
         fig.tight_layout()
-        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                fig.savefig(handle, format="png", dpi=100)
-            os.replace(tmp_path, path)
-        except BaseException:
-            if os.path.exists(tmp_path):
-                os.remove(tmp_path)
-            raise
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     finally:
         plt.close(fig)
     return path
@@ -663,15 +656,7 @@ def plot_information_gain(
         ax.legend(loc="best", fontsize=8)
         ax.set_title(title or "where z acts")
         fig.tight_layout()
-        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                fig.savefig(handle, format="png", dpi=100)
-            os.replace(tmp_path, path)
-        except BaseException:
-            if os.path.exists(tmp_path):
-                os.remove(tmp_path)
-            raise
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     finally:
         plt.close(fig)
     return path

@@ -27,17 +27,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zcvae import __version__
+from zcvae._version import __version__
 from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at, train_run_name
-from zcvae.convert import conversion_record, describe_conversion, resolve_backbone_path
-from zcvae.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
+from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
+from zcvae.data.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
 from zcvae.distributed import flush_denormals, free_cpu_cores, init_distributed, reduce_metrics
-from zcvae.losses import DIAGNOSTIC_REDUCTIONS
-from zcvae.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
+from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS
+from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
+from zcvae.train.faults import fault_injection_from_env
+from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.templates import collate, encode_examples
 
-RUN_CONFIG = "run_config.json"
-METRICS = "metrics.jsonl"
 
 
 # --------------------------------------------------------------------------- metric windows
@@ -117,12 +117,6 @@ def git_revision() -> str | None:
         return None
 
 
-def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
-
-
 class RunLogger:
     """metrics.jsonl plus TensorBoard (tags ``train/NAME``, ``eval/NAME``), written by rank 0 only."""
 
@@ -160,17 +154,6 @@ class RunLogger:
             self.jsonl.close()
 
 
-def truncate_metrics(path: Path, *, after_step: int) -> None:
-    """Drop records past ``after_step``: a resumed run logs those steps again, and a reader must not
-    see a step twice."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= after_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
-
-
 def _inside(path: Path, directory: Path) -> bool:
     """Whether ``path`` is ``directory`` or lies inside it (symlinks resolved)."""
     path, directory = path.resolve(), directory.resolve()
@@ -204,7 +187,7 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, is_main: bo
                 f"pass --resume auto to continue that run, or --overwrite to delete it and start again, "
                 f"or choose another --output-dir"
             )
-        if not any(name in entries for name in (RUN_CONFIG, METRICS, "checkpoints", "tensorboard")):
+        if not any(name in entries for name in (RUN_CONFIG, METRICS, CHECKPOINTS, "tensorboard")):
             raise ValueError(f"--overwrite deletes only a zcvae run directory; output_dir {str(run_dir)!r} holds other files "
                              f"({', '.join(entries[:4])}): choose another --output-dir")
         for name, path in (keep or {}).items():
@@ -243,11 +226,11 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
 
     ``overwrite``: delete an earlier run in ``cfg.output_dir`` (after saying so) instead of refusing it.
     """
-    from zcvae.checkpoint import CheckpointManager
+    from zcvae.runs.checkpoint import CheckpointManager
     from zcvae.engines import build_engine
-    from zcvae.evaluation import evaluate
-    from zcvae.model import ZCVAE
-    from zcvae.reference import ReferenceProvider
+    from zcvae.eval.evaluation import evaluate
+    from zcvae.model.cvae import ZCVAE
+    from zcvae.reference.provider import ReferenceProvider
 
     # 1. processes, seeds, run directory
     info = init_distributed(require_group=cfg.engine == "deepspeed")
@@ -315,7 +298,8 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     recon_cfg = cfg.reconstruction_config()
     aux = AuxiliaryWeights.from_train_config(cfg)
 
-    checkpoints = CheckpointManager(run_dir / "checkpoints", keep=cfg.keep_last_checkpoints, is_main=is_main)
+    checkpoints = CheckpointManager(run_dir / CHECKPOINTS, keep=cfg.keep_last_checkpoints, is_main=is_main,
+                                    on_event=fault_injection_from_env())
     start_step = 0
     if cfg.resume is not None:
         state = checkpoints.load(engine, cfg.resume, config=cfg, c_base=reference.c_base)
@@ -327,7 +311,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
                 f"resume with --max-steps {start_step} or more, or start a new run in another --output-dir"
             )
         if start_step == cfg.max_steps and start_step > 0:
-            from zcvae.inference import _final_metrics
+            from zcvae.export.inference import _final_metrics
 
             say(f"[resume] checkpoint {state['checkpoint']!r} is already at max_steps {cfg.max_steps}: the run is complete, nothing written")
             return _final_metrics(run_dir)[1]
@@ -336,7 +320,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
             truncate_metrics(run_dir / METRICS, after_step=start_step)
 
     if is_main:
-        write_json_atomic(run_dir / RUN_CONFIG, run_metadata(cfg, backbone, info.world_size, splits, train_report, val_report, reference, cpu=cpu))
+        atomic_write_json(run_dir / RUN_CONFIG, run_metadata(cfg, backbone, info.world_size, splits, train_report, val_report, reference, cpu=cpu))
     logger = RunLogger(run_dir, enabled=is_main)
     say(f"[run] {cfg.run_name}: {len(train_enc)} train / {len(val_enc)} val examples, world {info.world_size}, "
         f"engine {cfg.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
@@ -430,18 +414,11 @@ def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, re
 
 def default_backbone(cfg: TrainConfig, *, log=print) -> str:
     """The built-in tiny backbone pretrained on the run's task, built once and cached."""
-    from zcvae.backbone import PretrainConfig, is_pretrained, pretrain
+    from zcvae.backbone.pretraining import builtin_backbone
 
-    task = cfg.task
     if cfg.train_data is not None:
         raise ValueError("--backbone is required with --train-data (pretrain one with `zcvae pretrain --train-data ...`)")
-    pcfg = PretrainConfig(task=task, seed=0)
-    cache = Path(os.environ.get("ZCVAE_CACHE", Path.home() / ".cache" / "zcvae")) / "backbones" / f"{pcfg.task or 'default'}"
-    pcfg.output_dir = str(cache)
-    if not is_pretrained(cache):
-        log(f"[backbone] pretraining the built-in backbone into {cache}")
-        pretrain(pcfg, log=log)
-    return str(cache)
+    return str(builtin_backbone(cfg.task, log=log))
 
 
 def _progress(cfg: TrainConfig, start: int, *, enabled: bool):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zcvae.config import RECONSTRUCTION_WEIGHT_FIELDS
-from zcvae.naming import ABBREVIATIONS
+from zcvae.runs.naming import ABBREVIATIONS
 
 __all__ = [
     "DEFAULT_METRICS",

@@ -1,0 +1,1 @@
+"""The built-in tiny backbone and its pretraining; GGUF -> Hugging Face conversion."""

@@ -1,0 +1,1 @@
+"""The commands: cli (zcvae train/pretrain/evaluate/...), aggregate, sweep, demo."""

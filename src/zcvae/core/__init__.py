@@ -1,0 +1,1 @@
+"""Pure tensor math of the objective: the six reconstruction terms, the latent KL and auxiliaries, J."""

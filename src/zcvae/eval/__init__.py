@@ -1,0 +1,1 @@
+"""Evaluation of a model on a validation set and its metrics."""

@@ -1,0 +1,1 @@
+"""Export of a trained run, loading it back, the model card, generate/encode."""

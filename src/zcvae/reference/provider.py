@@ -1,0 +1,150 @@
+"""What the trainer holds: the run's reference policy, its c_base and (precomputed) the store of
+training and validation b. Shapes as in zcvae.reference.store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from zcvae.templates import Batch, EncodedExample
+from zcvae.reference.store import POLICIES, ReferenceStore, default_policy, fingerprint_backbone, iter_reference_batches, load_or_build_reference_store, reference_fingerprint, reference_output
+from zcvae.reference.c_base import CBase, c_base_from_store, c_base_from_sum_count, c_base_sum_count, resolve_c_base
+
+__all__ = ["ReferenceProvider"]
+
+# ----------------------------------------------------------------------------------------------
+# What the trainer holds
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ReferenceProvider:
+    """The run's reference policy, its c_base and (precomputed) the store of train and validation b.
+
+    The trainer calls :meth:`ref_nll` once per micro-batch on every rank, before the training forward.
+    """
+
+    policy: str
+    c_base: CBase
+    fingerprints: dict[str, str]
+    store: ReferenceStore | None = None
+
+    @classmethod
+    def build(
+        cls,
+        cfg,
+        *,
+        engine,
+        model,
+        backbone: str | os.PathLike,
+        train: Sequence[EncodedExample],
+        val: Sequence[EncodedExample],
+        passes: float,
+        log: Callable[[str], Any] = print,
+        stored_c_base: CBase | None = None,
+    ) -> "ReferenceProvider":
+        """Choose the policy, build or load the stores, and resolve c_base (collective: call on every rank).
+
+        Reads from ``cfg``: reference_policy (auto | online | precomputed), reference_cache_dir,
+        reconstruction_loss_token_aggregation_mode, zfree_reference_scale, micro_batch_size (the batch
+        size of the reference pass), precision and seed (fingerprint extras: they change b or the new
+        marker rows the reference reads). ``model`` provides ``tokens`` and ``tokenizer``; ``engine``
+        provides ``module`` (wrapped), ``all_reduce`` and ``info`` (rank, world_size, device).
+        """
+        from zcvae.distributed import dist_info
+
+        info = getattr(engine, "info", None) or dist_info()
+        gather = torch.distributed.all_gather_object if info.world_size > 1 else None
+        mode = cfg.reconstruction_loss_token_aggregation_mode
+        policy = cfg.reference_policy
+        if policy == "auto":
+            policy = default_policy(passes)
+        if policy not in POLICIES:
+            raise ValueError(f"reference_policy must be one of {('auto', *POLICIES)}, got {cfg.reference_policy!r}")
+        try:
+            backbone_digest = fingerprint_backbone(backbone)
+        except ValueError as e:
+            if cfg.reference_policy == "precomputed":
+                raise ValueError(f"reference_policy=precomputed needs a fingerprintable backbone: {e}") from e
+            if policy == "precomputed":
+                log(f"[reference] {e}; falling back to the online policy")
+                policy = "online"
+            backbone_digest = hashlib.sha256(f"unhashed:{backbone}".encode()).hexdigest()
+        extra = {"precision": getattr(cfg, "precision", None), "seed": getattr(cfg, "seed", None)}
+        fps = {
+            split: reference_fingerprint(backbone=backbone_digest, tokens=model.tokens, vocab=model.tokenizer, examples=examples, extra=extra)
+            for split, examples in (("train", train), ("validation", val))
+        }
+        common = dict(
+            tokens=model.tokens,
+            batch_size=cfg.micro_batch_size,
+            rank=info.rank,
+            world_size=info.world_size,
+            cache_dir=cfg.reference_cache_dir,
+            write=info.local_rank == 0,
+            all_gather_object=gather,
+            device=info.device,
+            num_z_slots=cfg.slot_tokens,
+        )
+        store = None
+        if policy == "precomputed":
+            stores = {
+                split: load_or_build_reference_store(engine.module, examples, fingerprint=fps[split], name=split, **common)
+                for split, examples in (("train", train), ("validation", val))
+            }
+            store = _merge_stores(stores["train"], stores["validation"], train, val)
+
+            def recompute() -> CBase:
+                return c_base_from_store(stores["validation"], [ex.id for ex in val], mode)
+
+        else:
+
+            def recompute() -> CBase:
+                total = torch.zeros((), dtype=torch.float64, device=info.device)
+                count = torch.zeros((), dtype=torch.float64, device=info.device)
+                batches = iter_reference_batches(val, model.tokens, batch_size=cfg.micro_batch_size, rank=info.rank, world_size=info.world_size, num_z_slots=cfg.slot_tokens)
+                with torch.no_grad():
+                    for batch, keep in batches:
+                        ref_nll_BN, mask_BN = reference_output(engine.module(batch.to(info.device), mode="reference"))
+                        if keep:
+                            s, c = c_base_sum_count(ref_nll_BN, mask_BN, mode)
+                            total, count = total + s, count + c
+                total, count = engine.all_reduce(torch.stack([total, count])).tolist()
+                return c_base_from_sum_count(total, count, mode=mode, fingerprint=fps["validation"].digest)
+
+        c_base = resolve_c_base(
+            mode=mode, fingerprint=fps["validation"].digest, stored=stored_c_base,
+            user_value=cfg.zfree_reference_scale, recompute=recompute,
+        )
+        log(f"[reference] policy {policy}; c_base[{mode}] = {c_base.value:.6g} ({c_base.source})")
+        return cls(policy=policy, c_base=c_base, fingerprints={k: v.digest for k, v in fps.items()}, store=store)
+
+    def ref_nll(self, engine, batch: Batch) -> torch.Tensor:
+        """The z-free reference NLL of ``batch``, [B, N] left-aligned (0 past each span)."""
+        if self.store is not None:
+            return self.store.lookup(batch.ids, device=batch.input_ids.device)[0]
+        with torch.no_grad():
+            ref_nll_BN, _ = reference_output(engine.module(batch, mode="reference"))
+        return ref_nll_BN
+
+
+def _merge_stores(
+    train_store: ReferenceStore, val_store: ReferenceStore, train: Sequence[EncodedExample], val: Sequence[EncodedExample]
+) -> ReferenceStore:
+    """One store over both splits; an id in both must name the same example (then b is the same)."""
+    train_by_id = {ex.id: ex for ex in train}
+    for ex in val:
+        other = train_by_id.get(ex.id)
+        if other is not None and (other.x_ids, other.y_ids) != (ex.x_ids, ex.y_ids):
+            raise ValueError(f"example id {ex.id!r} names different examples in train and validation: "
+                             "ids must be unique across splits for the precomputed reference")
+    values = {i: val_store.get(i) for i in val_store.ids}
+    values.update({i: train_store.get(i) for i in train_store.ids})
+    digest = hashlib.sha256(f"{train_store.fingerprint}+{val_store.fingerprint}".encode()).hexdigest()
+    return ReferenceStore.from_values(values, fingerprint=digest)

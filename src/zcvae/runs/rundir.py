@@ -1,0 +1,137 @@
+"""The run directory: its file names, the one atomic writer, its readers, the built-in backbone path.
+
+A run directory (``--output-dir``) holds::
+
+    run_config.json          the resolved TrainConfig, versions, c_base, backbone (RUN_CONFIG)
+    metrics.jsonl            one JSON object per logged step, split "train" or "eval" (METRICS)
+    checkpoints/step_N/      complete checkpoints, see zcvae.runs.checkpoint (CHECKPOINTS)
+    eval_step{N}.json        the full evaluation at step N (eval_step_file)
+    latents.png              the newest latent/strategy figure (LATENTS_FIGURE)
+
+Every file that a reader may open while a writer runs is written through ``atomic_write``: into a
+temporary file in the same directory, then ``os.replace``d over the target, so a reader sees the old
+file or the new one, never half of one; a failed write leaves the old file and no temporary.
+
+This module imports nothing of zcvae, so every layer (data/, runs/, train/, eval/, export/) can use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+RUN_CONFIG = "run_config.json"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+LATENTS_FIGURE = "latents.png"
+
+
+def eval_step_file(step: int) -> str:
+    """Name of the full evaluation record of step ``step``."""
+    return f"eval_step{step}.json"
+
+
+# --------------------------------------------------------------------------- writers
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], *, fsync: bool = False, mode: int | None = None) -> None:
+    """Call ``write(tmp)`` on a temporary file next to ``path``, then move it over ``path``.
+
+    ``fsync``: flush the file to disk before the rename (the reference store, datasets: files that
+    are expensive to rebuild or that a crash must not truncate). ``mode``: the file's permissions
+    (default: those of a newly created file, 0666 less the umask; mkstemp alone would give 0600).
+    On any error the temporary is removed and the old ``path`` is left as it was.
+    """
+    path = Path(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        if fsync:
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+        os.chmod(tmp, _default_mode() if mode is None else mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def _default_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, **kw) -> None:
+    atomic_write(path, lambda tmp: tmp.write_bytes(data), **kw)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, **kw) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text), **kw)
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any, **kw) -> None:
+    """JSON with ``indent=2, sort_keys=True``; objects JSON cannot encode are written as ``str()``."""
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str), **kw)
+
+
+# --------------------------------------------------------------------------- readers
+def read_json(path: str | os.PathLike, *, what: str) -> Any:
+    """The parsed JSON of ``path``; ValueError naming ``what`` and the file when missing or invalid."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{what}: {str(path)!r} does not exist") from None
+    except ValueError as err:
+        raise ValueError(f"{what}: {str(path)!r} is not valid JSON: {err}") from None
+
+
+def read_run_record(directory: str | os.PathLike) -> dict[str, Any]:
+    """``run_config.json`` of a run or export directory; ValueError naming the file."""
+    path = Path(directory) / RUN_CONFIG
+    record = read_json(path, what="run config")
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        raise ValueError(f"run config: {str(path)!r} has no 'config' mapping (the resolved TrainConfig)")
+    return record
+
+
+def iter_metric_records(run_dir: str | os.PathLike):
+    """The JSON objects of ``metrics.jsonl`` in order; lines that do not parse (a line cut by a
+    crash) are skipped; nothing when the file does not exist yet."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        return
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            yield record
+
+
+def truncate_metrics(path: str | os.PathLike, *, after_step: int) -> None:
+    """Drop records of ``metrics.jsonl`` past ``after_step``: a resumed run logs those steps again,
+    and a reader must not see a step twice."""
+    path = Path(path)
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= after_step]
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+
+# --------------------------------------------------------------------------- caches
+def cache_root() -> Path:
+    """zcvae's cache directory (``$ZCVAE_CACHE``, else ``~/.cache/zcvae``)."""
+    return Path(os.environ.get("ZCVAE_CACHE", Path.home() / ".cache" / "zcvae"))
+
+
+def builtin_backbone_dir(task: str | None) -> Path:
+    """Where the built-in tiny backbone pretrained on ``task`` is cached."""
+    return cache_root() / "backbones" / f"{task or 'default'}"

@@ -1,0 +1,30 @@
+"""The one greedy decoder: lock-step and early-exit decoding give the same tokens."""
+
+import torch
+
+from zcvae.model.decoding import greedy_decode
+
+
+def _count_up(V: int):
+    def next_logits(ids_RL, mask_RL):
+        # next token = last attended token + 1 (mod V)
+        last_R = mask_RL.sum(1) - 1
+        prev_R = ids_RL[torch.arange(ids_RL.shape[0]), last_R]
+        return torch.nn.functional.one_hot((prev_R + 1) % V, V).float()
+
+    return next_logits
+
+
+def test_lock_step_and_early_exit_give_the_same_tokens_with_several_stop_ids():
+    V, pad = 12, 0
+    prompts = [[3], [7, 7], [9]]
+    kw = dict(num_steps=10, stop_id=(8, 11), pad_id=pad)
+    locked = greedy_decode(_count_up(V), prompts, lock_step=True, **kw)
+    early = greedy_decode(_count_up(V), prompts, lock_step=False, **kw)
+    assert locked[:2] == early[:2] == ([[4, 5, 6, 7], [], [10]], [True, True, True])
+    assert locked[2] == 10 and early[2] == 5  # early exit once the slowest row (3 -> ... -> 8) stopped
+
+
+def test_rows_that_never_stop_run_for_num_steps():
+    generated, closed, forwards = greedy_decode(_count_up(100), [[1]], num_steps=3, stop_id=99, pad_id=0, lock_step=False)
+    assert (generated, closed, forwards) == ([[2, 3, 4]], [False], 3)
