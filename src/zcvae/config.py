@@ -49,7 +49,7 @@ class TrainConfig:
     lora_alpha: int = _f(16, "LoRA alpha.")
     lora_dropout: float = _f(0.0, "LoRA dropout.")
     lora_target_modules: list[str] | None = _f(None, "Module names that get LoRA adapters (per-architecture default when omitted).")
-    branch_chunk_size: int | None = _f(None, "Rows of the B*K branch forward per chunk. Each chunk is rebuilt in the backward (exact), so peak branch memory grows with it, not with K; costs one more branch forward unless --gradient-checkpointing is on. Default: all rows at once, or micro-batch-size rows (K chunks) with --gradient-checkpointing.")
+    branch_chunk_size: int | None = _f(None, "Rows of the B*K branch forward per chunk. Each chunk is rebuilt in the backward (exact), so peak branch memory grows with it, not with K; costs one more branch forward unless --gradient-checkpointing is on. Default: all rows at once, also with --gradient-checkpointing, whose per-layer checkpoints already keep branch memory nearly flat in K (a chunk switches them off inside itself; BENCHMARKS.md).")
     z_init_noise: float = _f(0.1, "z rows start as the <znull> row plus this times the row norm of noise.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass.")
     share_x_prefix: bool = _f(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact, also under gradient checkpointing; falls back with a reason where unsupported).")

@@ -12,8 +12,8 @@ ragged in x and y: with ``share_x_prefix`` off ("full"), on ("shared"), and on w
 checkpointing ("shared-ckpt", compared with the "full" run without checkpointing, which changes no
 value). Gradients must cross the cached keys and values back into the prefix pass while the weights
 are gathered and resharded per layer, and, with checkpointing, while every layer is replayed. With
-checkpointing on and no ``branch_chunk_size``, the branch rows run in chunks of B rows, each chunk
-rebuilt in the backward (bounded branch memory), so "shared-ckpt" checks that path too.
+"shared-ckpt" also sets ``branch_chunk_size`` to B rows, so the branch rows run in K chunks, each chunk
+rebuilt in the backward (bounded branch memory): that path is checked under sharding too.
 
 The optimizer is AdamW with eps = 100 and lr = 10: the update ``lr * m / (sqrt(v) + eps)`` is then
 about 0.1 x the gradient (a smooth function of it), so equal parameters after the steps mean equal
@@ -54,7 +54,8 @@ LR, EPS = 10.0, 100.0  # see the module docstring
 def model_config(latent: str, mode: str):
     from zcvae.model.cvae import ModelConfig
 
-    common = dict(share_x_prefix=mode != "full", gradient_checkpointing=mode == "shared-ckpt")
+    ckpt = mode == "shared-ckpt"
+    common = dict(share_x_prefix=mode != "full", gradient_checkpointing=ckpt, branch_chunk_size=4 if ckpt else None)
     if latent == "discrete":
         return ModelConfig(num_latents=3, **common)
     return ModelConfig(latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=2, **common)

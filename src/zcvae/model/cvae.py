@@ -109,8 +109,7 @@ class ModelConfig:
     branch_chunk_size: int | None = None
     """Rows of the B*K branch forward run at once. With more than one chunk, each chunk is
     checkpointed as a whole (rebuilt in the backward, exact), so peak branch memory grows with this,
-    not with K. None = all rows at once, or B rows per chunk when gradient checkpointing is on
-    (``branch_chunk_rows``)."""
+    not with K. None = all rows at once (``branch_chunk_rows``)."""
     z_init_noise: float = 0.1
     """z rows start as the <znull> row (or the mean embedding) plus noise of this fraction of its norm."""
     gradient_checkpointing: bool = False
@@ -902,12 +901,14 @@ class ZCVAE(nn.Module):
 
     def branch_chunk_rows(self, num_examples: int) -> int | None:
         """Rows per branch chunk of a train forward of ``num_examples`` examples (None = all at once):
-        ``branch_chunk_size``, or, when it is None and activation checkpointing is on, the number of
-        examples (each chunk then is a plain-LoRA-sized forward, so a checkpointing user's branch
-        memory does not grow with K)."""
-        if self.config.branch_chunk_size is not None:
-            return self.config.branch_chunk_size
-        return num_examples if self._layer_checkpointing() else None
+        ``branch_chunk_size`` when set, else all rows at once.
+
+        Why not chunk by default under activation checkpointing: layer checkpointing already keeps a
+        layer's activations only, so one chunk's memory grew little with K on SmolLM2-135M (K=4 2540,
+        K=8 2607 MiB), while B-row chunks switch layer checkpointing off inside each chunk and cost more
+        time and memory (K=4: 4.01x vs 3.15x the LoRA step, 2690 MiB; BENCHMARKS.md, issue 11)."""
+        del num_examples  # the chunk size does not depend on the batch; kept for callers' clarity
+        return self.config.branch_chunk_size
 
     def _layer_checkpointing(self) -> bool:
         return any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in self.peft_model.get_base_model().modules())
