@@ -206,3 +206,15 @@ def test_another_backbone_is_refused_naming_the_file(trained, exported, tmp_path
         load_for_inference(exported, backbone=str(other))
     with pytest.raises(ValueError, match=r"trainable\.safetensors.*shape"):
         load_for_inference(run_dir, backbone=str(other))
+
+
+def test_one_line_escapes_what_would_break_a_line_per_latent():
+    from zcvae.export.inference import one_line
+
+    text = "a\nb\tc\\n\rd"
+    escaped = one_line(text)
+    assert "\n" not in escaped and "\t" not in escaped and "\r" not in escaped
+    assert escaped == "a\\nb\\tc\\\\n\\rd"
+    # reversible: a reader undoes it with the unicode_escape rules for these four characters
+    assert escaped.encode().decode("unicode_escape") == text
+    assert one_line("plain y 1 2 3") == "plain y 1 2 3"

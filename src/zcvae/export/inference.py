@@ -574,6 +574,15 @@ def export_main(argv: list[str] | None = None) -> int:
     return _run("export", go, argv)
 
 
+def one_line(text: str) -> str:
+    """``text`` with backslashes, newlines, carriage returns and tabs escaped (``\\n`` ...).
+
+    Why: ``generate --all-latents`` prints one ``label<TAB>y`` line per latent, and a real LM's y can
+    hold newlines (SmolLM2 often starts with one), which would break that format for a reader.
+    """
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
 def generate_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zcvae generate", description="Greedy-decode y for x with a chosen latent.")
     _common_load_args(parser)
@@ -581,7 +590,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--z", help="Discrete: a latent index 0..K-1. Gaussian: D comma-separated floats.")
     which.add_argument("--sample-prior", action="store_true", help="Draw z from p(z|x).")
-    which.add_argument("--all-latents", action="store_true", help="Discrete: one line per latent.")
+    which.add_argument("--all-latents", action="store_true", help="Discrete: one line per latent, z=k<TAB>y (backslashes, newlines and tabs in y escaped as \\\\, \\n, \\t).")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="Default: the run's max_length.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of --sample-prior.")
 
@@ -636,7 +645,7 @@ def generate_main(argv: list[str] | None = None) -> int:
             labels = ["z=" + ",".join(f"{v:.3f}" for v in z[0].tolist())]
         for label, y in zip(labels, ys):
             text = model.tokenizer.decode(y, skip_special_tokens=False)
-            print(f"{label}\t{text}" if len(ys) > 1 else text)
+            print(f"{label}\t{one_line(text)}" if len(ys) > 1 else text)
         return 0
 
     return _run("generate", go, argv)
