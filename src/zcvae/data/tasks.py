@@ -134,6 +134,14 @@ def _split_once(words: Sequence[str], sep: str) -> tuple[list[str], list[str]] |
     return list(words[:cut]), list(words[cut + 1 :])
 
 
+def _read_digits(task: "TaskFamily", x: str, *, max_len: int) -> list[str]:
+    """x as a list of 1..max_len single digits (sort and sort3 read the same x); ValueError otherwise."""
+    digits = x.split()
+    if not _is_digits(digits) or len(digits) > max_len:
+        raise task._bad_x(x, f"expected 1-{max_len} single digits separated by spaces")
+    return digits
+
+
 class TaskFamily:
     """A family of synthetic tasks whose inputs admit several strategies.
 
@@ -337,10 +345,7 @@ class SortTask(TaskFamily):
         return " ".join(rng.choice(DIGITS) for _ in range(rng.randint(4, 6)))
 
     def _read_x(self, x: str) -> list[str]:
-        digits = x.split()
-        if not _is_digits(digits) or len(digits) > self._MAX_LEN:
-            raise self._bad_x(x, f"expected 1-{self._MAX_LEN} single digits separated by spaces")
-        return digits
+        return _read_digits(self, x, max_len=self._MAX_LEN)
 
     def _render_body(self, digits: list[str], strategy: str) -> list[str]:
         ascending = sorted(digits)
@@ -636,10 +641,7 @@ class Sort3Task(_LateDecisionTask):
         return " ".join(rng.choice(DIGITS) for _ in range(rng.randint(3, 5)))
 
     def _read_x(self, x: str) -> list[str]:
-        digits = x.split()
-        if not _is_digits(digits) or len(digits) > self._MAX_LEN:
-            raise self._bad_x(x, f"expected 1-{self._MAX_LEN} single digits separated by spaces")
-        return digits
+        return _read_digits(self, x, max_len=self._MAX_LEN)
 
     def _render_body(self, digits: list[str], strategy: str) -> list[str]:
         ascending = sorted(digits)
