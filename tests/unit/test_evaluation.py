@@ -130,6 +130,18 @@ def test_summarize_computes_whole_set_metrics_and_controllability_by_hand():
     assert scalars["info_gain/mean"] == pytest.approx(1.5 / 5)
 
 
+def test_summarize_adds_the_batch_level_router_terms_of_the_objective_on_the_whole_set():
+    # J's batch-level terms are w_kl KL(mean q || U) - w_support H(mean q), with the whole set as the batch.
+    cfg = SimpleNamespace(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.7,
+                          router_marginal_kl_weight=0.3, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
+    val = [SimpleNamespace(id=f"e{i}", x_ids=(3,), y_ids=(1, 3), strategy=s) for i, s in enumerate(["A", "B", "A"])]
+    records = [_record(0, [1.0, 0.0], "A"), _record(1, [0.0, 1.0], "B", n=1), _record(2, [0.9, 0.1], "A")]
+    scalars, _ = summarize(records, [], cfg=cfg, val=val, task=_Task(), tokenizer=_Tok(), c_base=2.0, num_decode_steps=5)
+    qbar = np.array([1.9, 1.1]) / 3
+    h = -(qbar * np.log(qbar)).sum()
+    assert scalars["loss"] == pytest.approx(2.0 + 0.3 * (math.log(2) - h) - 0.7 * h, rel=1e-6)
+
+
 def _nmi_by_hand(a, b):
     """Arithmetic-mean NMI from the contingency counts (an independent implementation, for the test)."""
     n = len(a)

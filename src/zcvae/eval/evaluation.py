@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS, RECONSTRUCTION_TERMS
+from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.eval.metrics import (
     cluster_scores,
     controllability_metrics,
@@ -198,7 +199,6 @@ def _to_list(t: torch.Tensor) -> list[float]:
 
 def _example_pass(*, engine, model, cfg, val, reference, indices, keep) -> list[dict]:
     """Losses, router outputs and span NLLs of this rank's examples (padding rows dropped)."""
-    from zcvae.core.objective import AuxiliaryWeights, per_example_objective
 
     recon_cfg = cfg.reconstruction_config()
     aux = AuxiliaryWeights.from_train_config(cfg)
@@ -328,11 +328,6 @@ def _reduce_terms(records: list[dict]) -> dict[str, float]:
     out["num_examples"] = float(len(records))
     out["num_valid_examples"] = float(len(valid))
     return out
-
-
-def _marginal_entropy(qbar_K: np.ndarray) -> float:
-    nz = qbar_K[qbar_K > 0]
-    return float(-(nz * np.log(nz)).sum())
 
 
 def _decoded_text(tokenizer, ids: Sequence[int]) -> str:
@@ -486,8 +481,6 @@ def summarize(
     num_decode_steps: int | None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """All metrics from the gathered records -> (flat scalars, non-scalar details for the JSON file)."""
-    from zcvae.core.objective import AuxiliaryWeights
-
     scalars = _reduce_terms(records)
     scalars["c_base"] = float(c_base)
     details: dict[str, Any] = {}
@@ -507,9 +500,13 @@ def summarize(
             if key in lat:
                 scalars[key] = float(lat[key])
         scalars["router_marginal_kl"] = float(lat["marginal_kl_uniform"])
-        # The objective's batch-level router terms, on the marginal of q over the whole set.
-        aux = AuxiliaryWeights.from_train_config(cfg)
-        scalars["loss"] += aux.router_marginal_kl * scalars["router_marginal_kl"] - aux.router_support * _marginal_entropy(lat["latent_usage"])
+        # The objective's batch-level router terms, on the marginal of q over the whole set, by the
+        # trainer's own function (the whole set plays the global batch; no gradient is needed here).
+        sum_q_K = torch.as_tensor(q_NK.sum(0))
+        router_term, _ = marginal_router_terms(local_sum_q_K=sum_q_K, global_sum_q_K=sum_q_K,
+                                               global_count=torch.tensor(float(len(q_NK))),
+                                               aux=AuxiliaryWeights.from_train_config(cfg))
+        scalars["loss"] += float(router_term)
         details["latent_usage"] = lat["latent_usage"]
         if "confusion" in lat:
             details.update(confusion=lat["confusion"], confusion_latent_labels=lat["confusion_latent_labels"],
