@@ -21,6 +21,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from zcvae.model.cvae import adapters_disabled
+
 NUM_EXAMPLES = 8
 NUM_STEPS = 4
 CKPT_AFTER = 2  # save after this many steps, compare the rest
@@ -155,8 +157,10 @@ def run_steps(
         for m, batch in enumerate(batches):
             inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
             # Reference first, then the training forward: a no-grad forward between a ZeRO-3 training
-            # forward and its backward can break the parameter coordinator's trace.
-            with torch.no_grad(), engine.model.disable_adapter():
+            # forward and its backward can break the parameter coordinator's trace. The model's own
+            # adapters_disabled (as ZCVAE._reference uses), not peft's disable_adapter(): peft's
+            # context also toggles requires_grad, which the engines no longer guard against.
+            with torch.no_grad(), adapters_disabled(engine.model):
                 ref_B = per_example_nll(engine.module(**inputs).logits, batch, mode)
             loss = per_example_nll(engine.module(**inputs).logits, batch, mode).sum() / global_count
             engine.backward(loss, sync=m == len(batches) - 1)

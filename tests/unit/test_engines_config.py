@@ -241,6 +241,21 @@ def test_local_engine_world1_contract():
     assert set(engine.trainable_state_dict()) == {"layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"}
 
 
+def test_build_engine_passes_the_optimizer_settings_on():
+    """learning_rate/weight_decay are defaults for groups that leave them out; betas and eps reach
+    the one AdamW every engine builds (AdamWSettings)."""
+    model = _Toy()
+    groups = _groups(model)
+    del groups[0]["lr"]
+    engine = build_engine(
+        EngineConfig(), model=model, param_groups=groups, learning_rate=0.7, weight_decay=0.3, betas=(0.8, 0.95), eps=1e-6
+    )
+    opt = engine.optimizer
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["foreach"] is False
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(0.7, 0.3), (0.2, 0.5)]
+    assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-6 for g in opt.param_groups)
+
+
 def test_local_bf16_runs_forward_under_autocast():
     model = _Toy()
     engine = build_engine(EngineConfig(precision="bf16"), model=model, param_groups=_groups(model), learning_rate=1.0)

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from zcvae.engines.base import Engine, EngineConfig
+from zcvae.engines.base import AdamWSettings, Engine, EngineConfig
 
 __all__ = ["Engine", "EngineConfig", "build_engine"]
 
@@ -47,14 +47,8 @@ def build_engine(
         raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
     if decoder_layers is not None and config.engine != "fsdp2":
         raise ValueError(f"decoder_layers is only used by engine='fsdp2', not {config.engine!r}")
-    common = dict(
-        model=model,
-        param_groups=param_groups,
-        learning_rate=learning_rate,
-        weight_decay=weight_decay,
-        betas=tuple(betas),
-        eps=eps,
-    )
+    adamw = AdamWSettings(learning_rate=learning_rate, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
+    common = dict(model=model, param_groups=param_groups, adamw=adamw)
     if config.engine == "local":
         from zcvae.engines.local import LocalEngine
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from zcvae import distributed as zdist
 
-__all__ = ["ENGINES", "PRECISIONS", "Engine", "EngineBase", "EngineConfig"]
+__all__ = ["ENGINES", "PRECISIONS", "AdamWSettings", "Engine", "EngineBase", "EngineConfig"]
 
 ENGINES = ("local", "deepspeed", "fsdp2")
 PRECISIONS = ("fp32", "bf16")
@@ -128,9 +128,14 @@ class Engine(Protocol):
 
 
 class EngineBase:
-    """Rank bookkeeping, reductions and the sync/step guard every engine shares."""
+    """Rank bookkeeping, reductions, the sync/step guard and the clip-then-step every engine shares."""
+
+    optimizer: torch.optim.Optimizer
+    """Set by the engine; what the default ``step`` and ``set_learning_rates`` drive."""
 
     def __init__(self, info: zdist.DistInfo, *, model: nn.Module, module: nn.Module, num_groups: int):
+        """Call once ``model`` is wrapped or sharded: ``_params`` are the parameter objects the
+        optimizer will hold (FSDP2 replaces them when it shards)."""
         self.rank = info.rank
         self.world_size = info.world_size
         self.local_rank = info.local_rank
@@ -140,6 +145,7 @@ class EngineBase:
         self.module = module
         self._num_groups = num_groups
         self._unsynced_backward = False
+        self._params = [p for _, p in trainable_named_parameters(model)]
 
     # The trainer calls these through the protocol.
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -161,6 +167,16 @@ class EngineBase:
             )
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite float or None, got {max_grad_norm!r}")
+
+    def step(self, *, max_grad_norm: float | None) -> float:
+        """Clip the reduced gradients, update unless their norm is non-finite, clear them; returns
+        the pre-clip global norm. Engines whose wrapper owns the update (DeepSpeed) override it."""
+        self._check_step(max_grad_norm)
+        norm = float(clip_and_norm(self._params, max_grad_norm))
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def set_learning_rates(self, lrs: Sequence[float]) -> None:
         for group, lr in zip(self.optimizer.param_groups, self._check_lrs(lrs)):
@@ -219,20 +235,39 @@ def groups_from_names(model: nn.Module, named_groups: Sequence[Mapping[str, Any]
     return [{**g, "params": [params[n] for n in g["params"]]} for g in named_groups]
 
 
-def build_adamw(
-    groups: Sequence[Mapping[str, Any]],
-    *,
-    learning_rate: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
-) -> torch.optim.AdamW:
-    # Group dicts win over the defaults, so per-group lr and weight decay survive every engine.
-    # foreach=False: DeepSpeed flattens groups into one tensor and steps it element by element; the
-    # same per-element math keeps the engines numerically interchangeable.
-    return torch.optim.AdamW(
-        [dict(g) for g in groups], lr=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps, foreach=False
-    )
+@dataclass(frozen=True)
+class AdamWSettings:
+    """The AdamW every engine builds; ``learning_rate``/``weight_decay`` are the defaults for param
+    groups that leave them out (group dicts win, so per-group values survive every engine)."""
+
+    learning_rate: float
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def build(self, groups: Sequence[Mapping[str, Any]]) -> torch.optim.AdamW:
+        # foreach=False: DeepSpeed flattens groups into one tensor and steps it element by element;
+        # the same per-element math keeps the engines numerically interchangeable.
+        return torch.optim.AdamW(
+            [dict(g) for g in groups],
+            lr=self.learning_rate,
+            weight_decay=self.weight_decay,
+            betas=self.betas,
+            eps=self.eps,
+            foreach=False,
+        )
+
+
+def prepare_model(config: EngineConfig, model: nn.Module, param_groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What every engine does to ``model`` before wrapping or sharding it; returns the groups by name.
+
+    The groups are checked and carried by name first (:func:`named_param_groups`), then activation
+    checkpointing is switched on, so the layers a wrapper later shards are the checkpointed ones.
+    """
+    named_groups = named_param_groups(model, param_groups)
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return named_groups
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -38,16 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zcvae import distributed as zdist
-from zcvae.engines.base import (
-    EngineBase,
-    EngineConfig,
-    build_adamw,
-    clip_and_norm,
-    enable_gradient_checkpointing,
-    groups_from_names,
-    named_param_groups,
-    trainable_named_parameters,
-)
+from zcvae.engines.base import AdamWSettings, EngineBase, EngineConfig, clip_and_norm, groups_from_names, prepare_model
+from zcvae.engines.base import trainable_named_parameters
 
 __all__ = ["BUILTIN_DEEPSPEED_CONFIGS", "DeepSpeedEngine", "resolve_deepspeed_config"]
 
@@ -179,17 +171,7 @@ def _register_trainable_token_bases(model: nn.Module) -> None:
 
 
 class DeepSpeedEngine(EngineBase):
-    def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        model: nn.Module,
-        param_groups: Sequence[Mapping[str, Any]],
-        learning_rate: float,
-        weight_decay: float,
-        betas: tuple[float, float],
-        eps: float,
-    ):
+    def __init__(self, config: EngineConfig, *, model: nn.Module, param_groups: Sequence[Mapping[str, Any]], adamw: AdamWSettings):
         import deepspeed
 
         ds_config = resolve_deepspeed_config(config)
@@ -201,19 +183,14 @@ class DeepSpeedEngine(EngineBase):
             os.environ.setdefault(name, str(value))
         # Adopts the torch group just created (DeepSpeed needs a group even at world size 1).
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
-        named_groups = named_param_groups(model, param_groups)
-        if config.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
-        self._client_optimizer = build_adamw(
-            groups_from_names(model, named_groups), learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps
-        )
+        named_groups = prepare_model(config, model, param_groups)
+        self._client_optimizer = adamw.build(groups_from_names(model, named_groups))
         ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self._client_optimizer, config=ds_config)
         if ds_config["zero_optimization"]["stage"] == 3:
             _register_trainable_token_bases(model)
         super().__init__(info, model=model, module=ds_engine, num_groups=len(named_groups))
         self.stage = int(ds_config["zero_optimization"]["stage"])
         self.ds_config = ds_config
-        self._params = [p for _, p in trainable_named_parameters(model)]
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self._note_backward(sync)

@@ -18,7 +18,6 @@ Checkpoints are torch DCP directories (``model`` = trainable parameters only, ``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,18 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zcvae import distributed as zdist
-from zcvae.engines.base import (
-    EngineBase,
-    EngineConfig,
-    build_adamw,
-    clip_and_norm,
-    enable_gradient_checkpointing,
-    groups_from_names,
-    load_client_state,
-    named_param_groups,
-    save_client_state,
-    trainable_named_parameters,
-)
+from zcvae.engines.base import AdamWSettings, EngineBase, EngineConfig, groups_from_names, load_client_state, prepare_model
+from zcvae.engines.base import save_client_state, trainable_named_parameters
 
 __all__ = ["FSDP2Engine", "find_decoder_layers"]
 
@@ -74,18 +63,13 @@ class FSDP2Engine(EngineBase):
         *,
         model: nn.Module,
         param_groups: Sequence[Mapping[str, Any]],
-        learning_rate: float,
-        weight_decay: float,
-        betas: tuple[float, float],
-        eps: float,
+        adamw: AdamWSettings,
         decoder_layers: Sequence[nn.Module] | None = None,
     ):
         info = zdist.init_distributed(require_group=True)
         if config.precision == "bf16" and info.world_size > 1 and torch.distributed.get_backend() == "gloo":
             raise ValueError("precision: bf16 collectives are not supported by gloo (CPU); use fp32 on CPU")
-        named_groups = named_param_groups(model, param_groups)
-        if config.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+        named_groups = prepare_model(config, model, param_groups)
         layers = list(decoder_layers) if decoder_layers is not None else find_decoder_layers(model)
         if not layers:
             raise ValueError(
@@ -104,13 +88,13 @@ class FSDP2Engine(EngineBase):
         offload_policy = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if config.cpu_offload else OffloadPolicy()
         for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-        # reshard_after_forward=True also for the root (FSDP2 keeps the root unsharded by default): peft's
-        # disable_adapter() flips requires_grad on whichever parameter object is registered when it
-        # exits. Were the root still unsharded after the reference forward, the flag would land on the
-        # temporary unsharded parameter and the sharded one (owned by the optimizer) would stay
-        # frozen: root-level adapters such as trainable-token rows would silently stop training and
-        # vanish from checkpoints. Costs one extra all-gather of the root's own parameters in backward.
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=True)
+        # The root keeps FSDP2's default (its parameters stay gathered from forward to backward). It
+        # used to be resharded after every forward, and step() checked that no trainable parameter had
+        # lost requires_grad, both for peft's disable_adapter(), which sets requires_grad on whichever
+        # parameter object is registered when it exits (here the temporary unsharded copy). Nothing
+        # calls it any more: the reference forward uses ZCVAE's adapters_disabled, which flips only
+        # the tuner layers' own flags, so the guards went (saving one all-gather per backward).
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for m in self._fsdp_modules:
             # Both setters act on one module, not its children. Factor 1 = sum over ranks; forcing
@@ -119,35 +103,18 @@ class FSDP2Engine(EngineBase):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
         super().__init__(info, model=model, module=model, num_groups=len(named_groups))
-        self._named_params = trainable_named_parameters(model)
-        self._params = [p for _, p in self._named_params]
-        self.optimizer = build_adamw(
-            groups_from_names(model, named_groups), learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps
-        )
+        self.optimizer = adamw.build(groups_from_names(model, named_groups))
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self._note_backward(sync)
         self.model.set_requires_gradient_sync(sync, recurse=True)
         loss.backward()
 
-    def step(self, *, max_grad_norm: float | None) -> float:
-        self._check_step(max_grad_norm)
-        frozen = [n for n, p in self._named_params if not p.requires_grad]
-        if frozen:
-            raise RuntimeError(
-                f"trainable parameters {frozen[:3]} lost requires_grad: something toggled it on FSDP2's "
-                "unsharded copy (e.g. peft disable_adapter() around a forward whose parameters stayed unsharded)"
-            )
-        norm = float(clip_and_norm(self._params, max_grad_norm))
-        if math.isfinite(norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            # full_tensor() is a collective: same parameters, same order on every rank.
+            # full_tensor() is a collective: same parameters, same order on every rank. After a no-grad
+            # forward the root's parameters are still gathered (plain tensors, on every rank alike).
             for name, p in trainable_named_parameters(self.model):
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
                 if self.is_main:

@@ -14,7 +14,6 @@ parameters; frozen weights come from the base model when the run is rebuilt), ``
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,18 +25,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from zcvae import distributed as zdist
-from zcvae.engines.base import (
-    EngineBase,
-    EngineConfig,
-    build_adamw,
-    clip_and_norm,
-    enable_gradient_checkpointing,
-    groups_from_names,
-    load_client_state,
-    named_param_groups,
-    save_client_state,
-    trainable_named_parameters,
-)
+from zcvae.engines.base import AdamWSettings, EngineBase, EngineConfig, groups_from_names, load_client_state, prepare_model
+from zcvae.engines.base import save_client_state, trainable_named_parameters
 
 __all__ = ["LocalEngine"]
 
@@ -67,21 +56,9 @@ def _sum_or_hold_hook(engine, bucket):
 
 
 class LocalEngine(EngineBase):
-    def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        model: nn.Module,
-        param_groups: Sequence[Mapping[str, Any]],
-        learning_rate: float,
-        weight_decay: float,
-        betas: tuple[float, float],
-        eps: float,
-    ):
+    def __init__(self, config: EngineConfig, *, model: nn.Module, param_groups: Sequence[Mapping[str, Any]], adamw: AdamWSettings):
         info = zdist.init_distributed()
-        named_groups = named_param_groups(model, param_groups)
-        if config.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+        named_groups = prepare_model(config, model, param_groups)
         model.to(info.device)
         module: nn.Module = model
         self._sync_grads = True
@@ -98,23 +75,12 @@ class LocalEngine(EngineBase):
         if config.precision == "bf16":
             module = _Autocast(module, info.device.type)
         super().__init__(info, model=model, module=module, num_groups=len(named_groups))
-        self._params = [p for _, p in trainable_named_parameters(model)]
-        self.optimizer = build_adamw(
-            groups_from_names(model, named_groups), learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps
-        )
+        self.optimizer = adamw.build(groups_from_names(model, named_groups))
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self._note_backward(sync)
         self._sync_grads = sync
         loss.backward()
-
-    def step(self, *, max_grad_norm: float | None) -> float:
-        self._check_step(max_grad_norm)
-        norm = float(clip_and_norm(self._params, max_grad_norm))
-        if math.isfinite(norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         if not self.is_main:

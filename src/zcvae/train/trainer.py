@@ -233,7 +233,8 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     from zcvae.reference.provider import ReferenceProvider
 
     # 1. processes, seeds, run directory
-    info = init_distributed(require_group=cfg.engine == "deepspeed")
+    # No group at world size 1 yet: the engines that need one even alone start it themselves.
+    info = init_distributed()
     is_main = info.rank == 0
     flushes = flush_denormals(log=log if is_main else None)
     threads_from = "torch default"
