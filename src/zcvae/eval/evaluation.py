@@ -93,7 +93,7 @@ from zcvae.eval.metrics import (
 )
 from zcvae.runs.rundir import CHECKPOINTS, RUN_CONFIG, LATENTS_FIGURE, atomic_write, atomic_write_json, eval_step_file, read_run_record
 from zcvae.model.decoding import greedy_decode
-from zcvae.templates import EncodedExample, TemplateTokens, collate, z_slot_start, zcond_prompt
+from zcvae.templates import EncodedExample, TemplateLayout, TemplateTokens, collate
 
 __all__ = [
     "ACTIVE_UNITS_DELTA",
@@ -264,7 +264,7 @@ def _decode_pass(*, engine, model, cfg, val, examples, indices, keep, num_steps)
     padded shards give every rank the same batch shapes and forward count.
     """
     tokens: TemplateTokens = model.tokens
-    num_slots = cfg.slot_tokens
+    layout = TemplateLayout(cfg.slot_tokens)
     gaussian = cfg.latent_type != "discrete"
     records: list[dict] = []
     for start in range(0, len(indices), cfg.micro_batch_size):
@@ -275,8 +275,8 @@ def _decode_pass(*, engine, model, cfg, val, examples, indices, keep, num_steps)
             ex = val[i]
             spec = examples[i]
             for latent in spec.get("latents", [None]):
-                prompts.append(zcond_prompt(ex.x_ids, tokens, num_slots))
-                slot_start.append(z_slot_start(len(ex.x_ids)))
+                prompts.append(layout.zcond_prompt(ex.x_ids, tokens))
+                slot_start.append(layout.z_slot_start(len(ex.x_ids)))
                 latents.append(latent)
                 if gaussian:
                     zs.append(spec["z"])

@@ -456,11 +456,10 @@ def _text_ids(model, text: str, *, what: str) -> tuple[int, ...]:
 def _fit_x(model, x_ids: tuple[int, ...], *, y_len: int) -> tuple[int, ...]:
     """x under the training length policy (zcvae.templates.encode_examples): truncated from the left so
     that the z-conditioned sequence with ``y_len`` y tokens fits the run's ``max_length``; says so."""
-    from zcvae.templates import NUM_FRAME_TOKENS
+    from zcvae.templates import TemplateLayout
 
     max_length = int(model.run_record["config"].get("max_length", 64))
-    slots = 1 if model.config.latent_type == "discrete" else model.config.num_z_slots
-    room = max_length - NUM_FRAME_TOKENS - slots - y_len
+    room = TemplateLayout(model.config.num_z_slots).room_for_x(max_length, y_len)
     if room < 0:
         raise ValueError(f"--y has {y_len} tokens and cannot fit in the run's max_length={max_length}")
     if len(x_ids) > room:
@@ -478,20 +477,21 @@ def decode_greedy(model, x_ids, *, latent_index=None, z=None, max_new_tokens: in
     model's "decode" mode (a full recompute per token: exports are for inspection, not serving).
     """
     from zcvae.model.decoding import greedy_decode
-    from zcvae.templates import z_slot_start, zcond_prompt
+    from zcvae.templates import TemplateLayout
 
     t = model.tokens
     rows = int(latent_index.shape[0]) if latent_index is not None else int(z.shape[0])
     if max_new_tokens < 1:
         return [[] for _ in range(rows)]
     device = next(model.parameters()).device
-    slot_R = torch.full((rows,), z_slot_start(len(x_ids)), device=device)
+    layout = TemplateLayout(model.config.num_z_slots)
+    slot_R = torch.full((rows,), layout.z_slot_start(len(x_ids)), device=device)
     kw = {"latent_index": latent_index.to(device)} if latent_index is not None else {"z": z.to(device)}
 
     def next_logits(ids_RL, mask_RL):
         return model(mode="decode", input_ids=ids_RL, attention_mask=mask_RL, slot_start=slot_R, **kw)
 
-    prompts = [zcond_prompt(x_ids, t, model.config.num_z_slots)] * rows
+    prompts = [layout.zcond_prompt(x_ids, t)] * rows
     generated, _, _ = greedy_decode(next_logits, prompts, num_steps=max_new_tokens, stop_id=(t.y_close, t.eos),
                                     pad_id=t.pad, device=device, lock_step=False)
     return generated
