@@ -173,7 +173,7 @@ def test_discrete_train_export_peft_and_generate(discrete_run, smollm2, capsys):
     from peft import PeftModel
 
     from zcvae.commands.cli import main as cli_main
-    from zcvae.export.inference import prepare_base
+    from zcvae.export.load import prepare_base
 
     run_dir, log = discrete_run
     _check_run(run_dir, log, smollm2)
