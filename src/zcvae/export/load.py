@@ -26,9 +26,11 @@ __all__ = [
     "decode_greedy",
     "encode_xy",
     "get_adapter_keys",
+    "input_embedding_weight",
     "load_checkpoint_into",
     "load_for_inference",
     "newest_checkpoint",
+    "output_embedding_weight",
     "prepare_base",
     "resolve_backbone",
     "run_train_config",
@@ -37,6 +39,7 @@ __all__ = [
 
 # --------------------------------------------------------------------------- run records
 def run_train_config(record: dict[str, Any], source: Path):
+    """The TrainConfig of a run record (``run_config.json``); ValueError naming ``source``."""
     from zcvae.config import TrainConfig
 
     return TrainConfig.from_dict(dict(record["config"]), source=str(source))
