@@ -19,23 +19,135 @@ Over-long examples: x may be truncated from the left (the end of x, next to the 
 y is never truncated: an example whose y cannot fit is skipped with a reason naming its id, and the
 caller logs the count.
 
+:class:`TemplateLayout` is the one place that knows the templates' shape: the marker strings, where
+x, z and y sit, the sequences and the reference store's fingerprint text. Everything else asks it.
+
 Shape legend: B batch, T z-free sequence length, S z-conditioned sequence length, M z-slot tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-# The marker strings live with the tokenizer's vocabulary (zcvae.data stays importable without torch);
-# everything else asks this module for them.
-from zcvae.data.tokenizer import TEMPLATE_TOKENS as MARKERS
+# torch is imported inside the functions that build tensors: zcvae.data, whose tokenizer takes the
+# marker strings from here, stays importable without torch.
 
-X_OPEN, X_CLOSE, Z_OPEN, Z_CLOSE, Y_OPEN, Y_CLOSE, ZNULL = MARKERS
 IGNORE_INDEX = -100
-# tokens outside x and y in the z-conditioned template: bos <x> </x> <z> </z> <y> </y> eos
-NUM_FRAME_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class TemplateLayout:
+    """The one description of both templates: the marker strings, where x, z and y sit, the token
+    sequences themselves and the fingerprint text of the reference store.
+
+    Positions are 0-based token indices in an example's own (unpadded) row; ``num_x``/``num_y`` count
+    its x and y tokens and may be ints or integer tensors (the arithmetic is elementwise)::
+
+        z-free         <bos> <x> {x} </x> <y> {y} </y> <eos>
+        z-conditioned  <bos> <x> {x} </x> <z> {z_1 .. z_M} </z> <y> {y} </y> <eos>
+                       |-- prefix_length --| identical in both templates; </x> at x_close
+
+    ``num_z_slots`` is M, the length of the z section (the z-free template does not depend on it).
+    """
+
+    num_z_slots: int = 1
+
+    MARKERS: ClassVar[tuple[str, ...]] = ("<x>", "</x>", "<z>", "</z>", "<y>", "</y>", "<znull>")
+    """The marker strings, defined here only (the built-in tokenizer's vocabulary and
+    ``prepare_tokenizer`` read them); ``<znull>`` fills a z slot that holds no latent."""
+    NUM_FRAME_TOKENS: ClassVar[int] = 8
+    """Tokens of the z-conditioned template outside x, y and the z slots:
+    ``<bos> <x> </x> <z> </z> <y> </y> <eos>``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_z_slots, bool) or not isinstance(self.num_z_slots, int) or self.num_z_slots < 1:
+            raise ValueError(f"num_z_slots must be an int >= 1, got {self.num_z_slots!r}")
+
+    # ---- positions -----------------------------------------------------------------------------
+    @staticmethod
+    def x_close(num_x):
+        """Index of ``</x>`` in both templates (the prior reads its hidden state): after ``<bos> <x> {x}``."""
+        return num_x + 2
+
+    @classmethod
+    def prefix_length(cls, num_x):
+        """Length of ``<bos> <x> {x} </x>``, the prefix that both templates share."""
+        return cls.x_close(num_x) + 1
+
+    @classmethod
+    def z_slot_start(cls, num_x):
+        """Index of the first z slot (z-conditioned template): after the prefix and ``<z>``."""
+        return cls.prefix_length(num_x) + 1
+
+    def zcond_y_start(self, num_x):
+        """Index of the first y token of the z-conditioned template: after the M slots, ``</z> <y>``."""
+        return self.z_slot_start(num_x) + self.num_z_slots + 2
+
+    @classmethod
+    def zfree_y_close(cls, num_x, num_y):
+        """Index of ``</y>`` in the z-free template (the posterior reads its hidden state): after the
+        prefix, ``<y>`` and y."""
+        return cls.prefix_length(num_x) + 1 + num_y
+
+    def zcond_length(self, num_x, num_y):
+        """Length of the z-conditioned sequence, the longer template (``max_length`` bounds it)."""
+        return self.NUM_FRAME_TOKENS + self.num_z_slots + num_x + num_y
+
+    def room_for_x(self, max_length: int, num_y: int) -> int:
+        """How many x tokens fit beside ``num_y`` y tokens within ``max_length`` (negative when y alone
+        does not fit)."""
+        return max_length - self.zcond_length(0, num_y)
+
+    # ---- sequences -----------------------------------------------------------------------------
+    @staticmethod
+    def zfree_sequence(ex: EncodedExample, tokens: TemplateTokens) -> tuple[list[int], list[int]]:
+        """(input ids, labels) of the z-free template."""
+        prefix = [tokens.bos, tokens.x_open, *ex.x_ids, tokens.x_close, tokens.y_open]
+        span = [*ex.y_ids, tokens.y_close]
+        ids = prefix + span + [tokens.eos]
+        labels = [IGNORE_INDEX] * len(prefix) + span + [IGNORE_INDEX]
+        return ids, labels
+
+    def zcond_sequence(self, ex: EncodedExample, tokens: TemplateTokens, slot_ids) -> tuple[list[int], list[int]]:
+        """(input ids, labels) of the z-conditioned template with the M ``slot_ids`` in the z section."""
+        if len(slot_ids) != self.num_z_slots:
+            raise ValueError(f"the z section holds num_z_slots={self.num_z_slots} token(s), got {len(slot_ids)} slot ids")
+        prefix = [tokens.bos, tokens.x_open, *ex.x_ids, tokens.x_close, tokens.z_open, *slot_ids, tokens.z_close, tokens.y_open]
+        span = [*ex.y_ids, tokens.y_close]
+        ids = prefix + span + [tokens.eos]
+        labels = [IGNORE_INDEX] * len(prefix) + span + [IGNORE_INDEX]
+        return ids, labels
+
+    @staticmethod
+    def zfree_prompt(x_ids, tokens: TemplateTokens) -> list[int]:
+        """``<bos> <x> {x} </x> <y>``: the z-free decode prompt (the backbone's own format)."""
+        return [tokens.bos, tokens.x_open, *x_ids, tokens.x_close, tokens.y_open]
+
+    def zcond_prompt(self, x_ids, tokens: TemplateTokens) -> list[int]:
+        """``<bos> <x> {x} </x> <z> <znull>*M </z> <y>``: the decode prompt; the model writes z into the slots."""
+        return [tokens.bos, tokens.x_open, *x_ids, tokens.x_close, tokens.z_open, *[tokens.znull] * self.num_z_slots,
+                tokens.z_close, tokens.y_open]
+
+    @classmethod
+    def fingerprint_text(cls) -> str:
+        """The z-free template as text, rendered by ``zfree_sequence`` itself from symbolic tokens:
+        ``"<bos> <x> {x} </x> <y> {y} </y> <eos>; supervised: y + </y>"``. It is part of the reference
+        store's fingerprint, so a change of the template (or of what is supervised) invalidates every
+        store; the text of an unchanged template must stay byte-identical (pinned in test_templates)."""
+        names = {f.name: f"<{f.name}>" for f in fields(TemplateTokens)}
+        names.update(x_open=X_OPEN, x_close=X_CLOSE, y_open=Y_OPEN, y_close=Y_CLOSE)
+        symbolic = type("SymbolicTokens", (), names)
+        ids, labels = cls.zfree_sequence(EncodedExample("layout", ("{x}",), ("{y}",)), symbolic)
+        supervised = [str(tok).strip("{}") for tok, label in zip(ids, labels) if label != IGNORE_INDEX]
+        return f"{' '.join(map(str, ids))}; supervised: {' + '.join(supervised)}"
+
+
+MARKERS = TemplateLayout.MARKERS
+X_OPEN, X_CLOSE, Z_OPEN, Z_CLOSE, Y_OPEN, Y_CLOSE, ZNULL = MARKERS
 
 
 def latent_token(k: int, slot: int | None = None) -> str:
@@ -186,7 +298,8 @@ def encode_examples(
     with user text that produces a template marker, or whose y cannot fit are skipped; each skip is
     reported with the example id and the reason.
     """
-    if max_length <= NUM_FRAME_TOKENS + num_z_slots:
+    layout = TemplateLayout(num_z_slots)
+    if max_length <= layout.zcond_length(0, 0):
         raise ValueError(f"max_length={max_length} leaves no room for x and y (num_z_slots={num_z_slots})")
     report = EncodeReport()
     out: list[EncodedExample] = []
@@ -209,7 +322,7 @@ def encode_examples(
             report.num_tokens += len(x_ids) + len(y_ids)
             if found and report.unknown_example is None:
                 report.unknown_example = ex.id
-        room_x = max_length - NUM_FRAME_TOKENS - num_z_slots - len(y_ids)
+        room_x = layout.room_for_x(max_length, len(y_ids))
         if room_x < 0:
             report.skipped.append(
                 f"{ex.id}: y has {len(y_ids)} tokens and cannot fit in max_length={max_length}"
@@ -251,7 +364,15 @@ class Batch:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @property
+    def prefix_length(self) -> torch.Tensor:
+        """(B,) length of ``<bos> <x> {x} </x>``, the prefix both templates share
+        (``TemplateLayout.prefix_length``): the token after ``</x>``."""
+        return self.x_close_pos + 1
+
     def to(self, device) -> "Batch":
+        import torch
+
         moved = {
             f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name))
             for f in fields(self)
@@ -260,6 +381,8 @@ class Batch:
 
     def select(self, index: list[int]) -> "Batch":
         """A sub-batch (rows ``index``), trimmed of all-padding columns."""
+        import torch
+
         idx = torch.as_tensor(index, dtype=torch.long)
         t = int(self.attention_mask[idx].sum(1).max()) if len(index) else 1
         s = int(self.z_attention_mask[idx].sum(1).max()) if len(index) else 1
@@ -280,51 +403,9 @@ class Batch:
         )
 
 
-def zfree_sequence(ex: EncodedExample, tokens: TemplateTokens) -> tuple[list[int], list[int]]:
-    """(input ids, labels) of the z-free template."""
-    prefix = [tokens.bos, tokens.x_open, *ex.x_ids, tokens.x_close, tokens.y_open]
-    span = [*ex.y_ids, tokens.y_close]
-    ids = prefix + span + [tokens.eos]
-    labels = [IGNORE_INDEX] * len(prefix) + span + [IGNORE_INDEX]
-    return ids, labels
-
-
-def zfree_fingerprint_text() -> str:
-    """The z-free template as text, rendered by ``zfree_sequence`` itself from symbolic tokens:
-    ``"<bos> <x> {x} </x> <y> {y} </y> <eos>; supervised: y + </y>"``. It is part of the reference
-    store's fingerprint, so a change of the template (or of what is supervised) invalidates every
-    store; the text of an unchanged template must stay byte-identical (pinned in test_templates)."""
-    names = {f.name: f"<{f.name}>" for f in fields(TemplateTokens)}
-    names.update(x_open=X_OPEN, x_close=X_CLOSE, y_open=Y_OPEN, y_close=Y_CLOSE)
-    symbolic = type("SymbolicTokens", (), names)
-    ids, labels = zfree_sequence(EncodedExample("layout", ("{x}",), ("{y}",)), symbolic)
-    supervised = [str(tok).strip("{}") for tok, label in zip(ids, labels) if label != IGNORE_INDEX]
-    return f"{' '.join(map(str, ids))}; supervised: {' + '.join(supervised)}"
-
-
-def zcond_sequence(
-    ex: EncodedExample, tokens: TemplateTokens, slot_ids: list[int]
-) -> tuple[list[int], list[int]]:
-    """(input ids, labels) of the z-conditioned template with ``slot_ids`` in the z section."""
-    prefix = [tokens.bos, tokens.x_open, *ex.x_ids, tokens.x_close, tokens.z_open, *slot_ids, tokens.z_close, tokens.y_open]
-    span = [*ex.y_ids, tokens.y_close]
-    ids = prefix + span + [tokens.eos]
-    labels = [IGNORE_INDEX] * len(prefix) + span + [IGNORE_INDEX]
-    return ids, labels
-
-
-def zcond_prompt(x_ids, tokens: TemplateTokens, num_slots: int) -> list[int]:
-    """``<bos> <x> {x} </x> <z> <znull>*M </z> <y>``: the decode prompt; the model writes z into the slots."""
-    return [tokens.bos, tokens.x_open, *x_ids, tokens.x_close, tokens.z_open, *[tokens.znull] * num_slots,
-            tokens.z_close, tokens.y_open]
-
-
-def z_slot_start(num_x: int) -> int:
-    """Position of the first z slot: ``<bos> <x> {x} </x> <z>`` come before it."""
-    return num_x + 4
-
-
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
+    import torch
+
     width = max(len(r) for r in rows)
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
@@ -333,11 +414,15 @@ def collate(examples: list[EncodedExample], tokens: TemplateTokens, *, num_z_slo
     """Right-pad a list of encoded examples into a :class:`Batch` (both templates)."""
     if not examples:
         raise ValueError("collate needs at least one example")
-    zf = [zfree_sequence(ex, tokens) for ex in examples]
-    zc = [zcond_sequence(ex, tokens, [tokens.znull] * num_z_slots) for ex in examples]
+    import torch
+
+    layout = TemplateLayout(num_z_slots)
+    zf = [layout.zfree_sequence(ex, tokens) for ex in examples]
+    zc = [layout.zcond_sequence(ex, tokens, [tokens.znull] * num_z_slots) for ex in examples]
     input_ids = _pad([ids for ids, _ in zf], tokens.pad)
     z_input_ids = _pad([ids for ids, _ in zc], tokens.pad)
     x_len = torch.tensor([len(ex.x_ids) for ex in examples], dtype=torch.long)
+    y_len = torch.tensor([len(ex.y_ids) for ex in examples], dtype=torch.long)
     n = torch.tensor([ex.num_supervised for ex in examples], dtype=torch.long)
     return Batch(
         ids=[ex.id for ex in examples],
@@ -345,13 +430,12 @@ def collate(examples: list[EncodedExample], tokens: TemplateTokens, *, num_z_slo
         input_ids=input_ids,
         attention_mask=_pad([[1] * len(ids) for ids, _ in zf], 0),
         labels=_pad([lab for _, lab in zf], IGNORE_INDEX),
-        x_close_pos=x_len + 2,
-        # bos <x> x </x> <y> y </y>: </y> sits at len(x) + 4 + len(y) = len(x) + 3 + n
-        y_close_pos=x_len + 3 + n,
+        x_close_pos=layout.x_close(x_len),
+        y_close_pos=layout.zfree_y_close(x_len, y_len),
         z_input_ids=z_input_ids,
         z_attention_mask=_pad([[1] * len(ids) for ids, _ in zc], 0),
         z_labels=_pad([lab for _, lab in zc], IGNORE_INDEX),
-        z_slot_start=z_slot_start(x_len),
+        z_slot_start=layout.z_slot_start(x_len),
         num_supervised=n,
         num_z_slots=num_z_slots,
     )

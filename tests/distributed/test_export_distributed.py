@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zcvae.export.inference import export_run
+from zcvae.export.export import export_run
 
 pytestmark = pytest.mark.distributed
 

@@ -138,7 +138,7 @@ def test_markers_and_z_tokens_are_single_added_tokens_and_text_round_trips(smoll
     from transformers import AutoTokenizer
 
     from zcvae.data import Example
-    from zcvae.templates import MARKERS, encode_examples, latent_token, prepare_tokenizer, zcond_sequence
+    from zcvae.templates import MARKERS, TemplateLayout, encode_examples, latent_token, prepare_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2.dir, local_files_only=True)
     base_vocab = tokenizer.get_vocab()
@@ -160,7 +160,7 @@ def test_markers_and_z_tokens_are_single_added_tokens_and_text_round_trips(smoll
     assert report.num_kept == len(texts) and report.num_unknown_tokens == 0
     for (x, y), ex in zip(texts, encoded):
         assert tokenizer.decode(list(ex.x_ids)) == x and tokenizer.decode(list(ex.y_ids)) == y
-        ids, _ = zcond_sequence(ex, tokens, [tokens.latents[3]])
+        ids, _ = TemplateLayout(1).zcond_sequence(ex, tokens, [tokens.latents[3]])
         text = tokenizer.decode(ids)
         assert text == f"{tokenizer.bos_token}<x>{x}</x><z><z_3></z><y>{y}</y>{tokenizer.eos_token}"
         # the decoded template encodes back to the same ids: markers never merge into x or y
@@ -173,7 +173,7 @@ def test_discrete_train_export_peft_and_generate(discrete_run, smollm2, capsys):
     from peft import PeftModel
 
     from zcvae.commands.cli import main as cli_main
-    from zcvae.export.inference import prepare_base
+    from zcvae.export.load import prepare_base
 
     run_dir, log = discrete_run
     _check_run(run_dir, log, smollm2)

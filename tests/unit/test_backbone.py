@@ -179,3 +179,31 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lr_multiplier(9, **kw) == pytest.approx(1.0)
     assert lr_multiplier(60, **kw) == pytest.approx(0.55)
     assert lr_multiplier(110, **kw) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("template", ["zfree", "znull"])
+def test_generate_y_is_the_argmax_continuation_of_each_prompt(tiny_llama, template):
+    from zcvae.backbone.pretraining import generate_y
+    from zcvae.templates import TemplateLayout
+
+    tokenizer = build_tokenizer()
+    tokens = prepare_tokenizer(tokenizer, num_latents=0)
+    model = tiny_llama(len(tokenizer), seed=3)
+    examples, _ = encode_examples(make_examples("copy", seed=1, split="val", num_examples=6), tokenizer, tokens,
+                                  max_length=64, num_z_slots=1)
+    # a bias towards </y> makes rows stop at different steps (zfree: some run to the step bound)
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(len(tokenizer)))
+    model.lm_head.bias.data[tokens.y_close] = 0.3
+    layout = TemplateLayout(1)
+    for max_new_tokens in (None, 3):
+        got = generate_y(model, examples, tokens, template=template, max_length=24, max_new_tokens=max_new_tokens)
+        for ex, y_ids in zip(examples, got):
+            ids = layout.zcond_prompt(ex.x_ids, tokens) if template == "znull" else layout.zfree_prompt(ex.x_ids, tokens)
+            want = []
+            for _ in range(max(1, min(max_new_tokens or 24, 24 - len(ids) - 1))):
+                with torch.no_grad():
+                    nxt = int(model(input_ids=torch.tensor([ids + want])).logits[0, -1].argmax())
+                if nxt == tokens.y_close:
+                    break
+                want.append(nxt)
+            assert y_ids == want

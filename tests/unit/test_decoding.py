@@ -28,3 +28,17 @@ def test_lock_step_and_early_exit_give_the_same_tokens_with_several_stop_ids():
 def test_rows_that_never_stop_run_for_num_steps():
     generated, closed, forwards = greedy_decode(_count_up(100), [[1]], num_steps=3, stop_id=99, pad_id=0, lock_step=False)
     assert (generated, closed, forwards) == ([[2, 3, 4]], [False], 3)
+
+
+def test_choose_next_replaces_the_argmax_and_sees_every_row():
+    seen = []
+
+    def two_ahead(logits_RV):
+        seen.append(logits_RV.shape[0])
+        return (logits_RV.argmax(-1) + 2) % logits_RV.shape[1]
+
+    generated, closed, _ = greedy_decode(_count_up(10), [[1], [4]], num_steps=3, stop_id=9, pad_id=0,
+                                         lock_step=False, choose_next=two_ahead)
+    # the argmax would be last + 1; the pick is last + 3 (mod 10)
+    assert generated == [[4, 7, 0], [7, 0, 3]] and closed == [False, False]
+    assert seen == [2, 2, 2]  # one call per forward, on all rows

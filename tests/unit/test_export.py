@@ -19,7 +19,7 @@ from zcvae.runs.checkpoint import CheckpointManager
 from zcvae.commands.cli import main as cli_main
 from zcvae.config import TrainConfig
 from zcvae.engines import EngineConfig, build_engine
-from zcvae.export.inference import load_for_inference
+from zcvae.export.load import load_for_inference
 from zcvae.model.cvae import ZCVAE
 from zcvae.templates import EncodedExample, collate
 
@@ -151,7 +151,7 @@ def test_load_for_inference(trained, exported, source):
 
 
 def greedy_reference(model, x: str, k: int, max_new_tokens: int) -> str:
-    """Greedy decoding written directly against the peft model (independent of zcvae.export.inference)."""
+    """Greedy decoding written directly against the peft model (independent of zcvae.export.load)."""
     t = model.tokens
     ids = [t.bos, t.x_open, *example(model, x, "a").x_ids, t.x_close, t.z_open, t.latents[k], t.z_close, t.y_open]
     out = []
@@ -209,7 +209,7 @@ def test_another_backbone_is_refused_naming_the_file(trained, exported, tmp_path
 
 
 def test_one_line_escapes_what_would_break_a_line_per_latent():
-    from zcvae.export.inference import one_line
+    from zcvae.export.cli import one_line
 
     text = "a\nb\tc\\n\rd"
     escaped = one_line(text)

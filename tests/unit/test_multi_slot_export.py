@@ -12,7 +12,7 @@ from zcvae.runs.checkpoint import CheckpointManager
 from zcvae.commands.cli import main as cli_main
 from zcvae.config import TrainConfig
 from zcvae.engines import EngineConfig, build_engine
-from zcvae.export.inference import load_for_inference
+from zcvae.export.load import load_for_inference
 from zcvae.model.cvae import ZCVAE
 from zcvae.templates import EncodedExample, collate
 
@@ -91,3 +91,10 @@ def test_multi_slot_discrete_export_load_and_generate(tmp_path, capsys):
     assert cli_main(["generate", str(out), "--x", X, "--all-latents", "--max-new-tokens", "4", "--device", "cpu"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("z=")]  # DeepSpeed may log to stdout
     assert lines == [f"z={k}\t{y}" for k, y in enumerate(expected)]
+
+    # --x is cut under training's length policy with the model's M = 2 slots: the z-conditioned
+    # sequence of a kept x and one y token is exactly max_length = 32 (8 frame tokens, 2 slots, 1 y)
+    from zcvae.export.cli import _fit_x
+
+    kept = _fit_x(loaded, tuple(range(100, 140)), y_len=1)
+    assert kept == tuple(range(119, 140)) and 8 + 2 + len(kept) + 1 == 32

@@ -59,3 +59,16 @@ def test_metrics_records_skip_a_cut_line_and_truncate_drops_later_steps(tmp_path
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
     truncate_metrics(path, after_step=2)
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_final_eval_metrics_is_the_last_eval_record_numbers_only(tmp_path):
+    from zcvae.runs.rundir import final_eval_metrics
+
+    assert final_eval_metrics(tmp_path) == (None, {})
+    lines = [
+        {"split": "eval", "step": 4, "nmi": 0.1},
+        {"split": "train", "step": 8, "loss": 1.0},
+        {"split": "eval", "step": 8, "nmi": 0.3, "exact_match": 1, "note": "text", "flag": True},
+    ]
+    (tmp_path / METRICS).write_text("\n".join(json.dumps(r) for r in lines) + '\n{"split": "eval", "st')
+    assert final_eval_metrics(tmp_path) == (8, {"nmi": 0.3, "exact_match": 1})

@@ -90,16 +90,49 @@ def test_batch_to_keeps_python_fields(tokenizer):
 def test_the_reference_fingerprint_text_is_rendered_from_the_template_and_unchanged():
     # Byte-identical to the hand-kept string it replaced: otherwise every stored reference store
     # would silently stop matching its fingerprint and be rebuilt.
-    from zcvae.reference.store import TEMPLATE_LAYOUT
-    from zcvae.templates import zfree_fingerprint_text
+    from zcvae.templates import TemplateLayout
 
     want = "<bos> <x> {x} </x> <y> {y} </y> <eos>; supervised: y + </y>"
-    assert zfree_fingerprint_text() == TEMPLATE_LAYOUT == want
+    assert TemplateLayout.fingerprint_text() == want
 
 
 def test_markers_have_one_home():
     from zcvae import templates
     from zcvae.data import tokenizer
 
-    assert templates.MARKERS is tokenizer.TEMPLATE_TOKENS
+    assert templates.MARKERS is tokenizer.TEMPLATE_TOKENS is templates.TemplateLayout.MARKERS
     assert (templates.X_OPEN, templates.Y_CLOSE, templates.ZNULL) == ("<x>", "</y>", "<znull>")
+
+
+@pytest.mark.parametrize("num_z_slots", [1, 3])
+def test_layout_positions_point_at_the_markers_of_both_sequences(tokenizer, num_z_slots):
+    from zcvae.templates import TemplateLayout
+
+    tokens = prepare_tokenizer(tokenizer, num_latents=2, num_z_slots=num_z_slots)
+    layout = TemplateLayout(num_z_slots)
+    for x, y in [((), (5,)), ((1, 2, 3), (4, 5))]:
+        ex = EncodedExample("e", x, y)
+        zf, _ = layout.zfree_sequence(ex, tokens)
+        zc, labels = layout.zcond_sequence(ex, tokens, [tokens.znull] * num_z_slots)
+        nx, ny = len(x), len(y)
+        assert zf[layout.x_close(nx)] == zc[layout.x_close(nx)] == tokens.x_close
+        assert zf[: layout.prefix_length(nx)] == zc[: layout.prefix_length(nx)] == [tokens.bos, tokens.x_open, *x, tokens.x_close]
+        assert zc[layout.z_slot_start(nx) - 1] == tokens.z_open
+        assert zc[layout.z_slot_start(nx) + num_z_slots] == tokens.z_close
+        assert zc[layout.zcond_y_start(nx) : layout.zcond_y_start(nx) + ny] == list(y)
+        assert zf[layout.zfree_y_close(nx, ny)] == tokens.y_close
+        assert len(zc) == layout.zcond_length(nx, ny) and layout.room_for_x(len(zc), ny) == nx
+        assert zc[: layout.zcond_y_start(nx)] == layout.zcond_prompt(x, tokens)
+        assert zf[: layout.zfree_y_close(nx, 0)] == layout.zfree_prompt(x, tokens)
+    with pytest.raises(ValueError, match="num_z_slots"):
+        layout.zcond_sequence(EncodedExample("e", (1,), (2,)), tokens, [tokens.znull] * (num_z_slots + 1))
+    with pytest.raises(ValueError, match="num_z_slots"):
+        TemplateLayout(0)
+
+
+def test_batch_prefix_length_is_the_layouts(tokenizer):
+    from zcvae.templates import TemplateLayout
+
+    tokens = prepare_tokenizer(tokenizer, num_latents=1)
+    batch = collate([EncodedExample("a", (1, 2), (3,)), EncodedExample("b", (), (4, 5))], tokens)
+    assert batch.prefix_length.tolist() == [TemplateLayout.prefix_length(2), TemplateLayout.prefix_length(0)] == [5, 3]

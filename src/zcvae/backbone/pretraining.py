@@ -23,13 +23,12 @@ Run (2 CPU cores; about 1-2 minutes for the defaults on the default task)::
 
     python -m zcvae.backbone.pretraining output_dir=runs/backbone    # or: zcvae pretrain --output-dir runs/backbone
 
-Shape legend: B batch, T sequence length, V vocabulary, P prompt length, G generated tokens.
+Shape legend: B batch, T sequence length, V vocabulary; decoding: R rows, L prompt + generated tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -49,11 +48,12 @@ from zcvae.core.losses import token_nll
 from zcvae.core.schedule import lr_multiplier
 from zcvae.distributed import flush_denormals, free_cpu_cores
 from zcvae.runs.rundir import builtin_backbone_dir
+from zcvae.model.decoding import greedy_decode
 from zcvae.templates import (
     IGNORE_INDEX,
-    NUM_FRAME_TOKENS,
     Batch,
     EncodedExample,
+    TemplateLayout,
     TemplateTokens,
     collate,
     encode_examples,
@@ -157,8 +157,9 @@ class PretrainConfig:
         if (self.hidden_size // self.num_heads) % 2:
             raise ValueError(f"head dim hidden_size/num_heads={self.hidden_size // self.num_heads} must be even (RoPE)")
         # One z slot; at least one x and one y token.
-        if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < NUM_FRAME_TOKENS + 3:
-            raise ValueError(f"max_length must be an int >= {NUM_FRAME_TOKENS + 3}, got {self.max_length!r}")
+        shortest = TemplateLayout(num_z_slots=1).zcond_length(1, 1)
+        if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < shortest:
+            raise ValueError(f"max_length must be an int >= {shortest}, got {self.max_length!r}")
         if not isinstance(self.output_dir, str) or not self.output_dir.strip("/ "):
             raise ValueError(f"output_dir must be a non-empty path, got {self.output_dir!r}")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
@@ -368,16 +369,6 @@ def evaluate_nll(model, examples: Sequence[EncodedExample], tokens: TemplateToke
     return out
 
 
-def _cache_kwarg(model) -> str:
-    # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes in 5.40).
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _cache_of(output):
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
-
-
 @torch.no_grad()
 def generate_y(
     model,
@@ -389,50 +380,46 @@ def generate_y(
     max_new_tokens: int | None = None,
     generator: torch.Generator | None = None,
 ) -> list[list[int]]:
-    """y token ids (without ``</y>``) decoded after each example's prompt; greedy unless ``generator``.
+    """y token ids (without ``</y>``) decoded after each example's prompt by the one decoder
+    (``model.decoding.greedy_decode``); greedy unless ``generator``, which draws each token from the
+    softmax.
 
     Prompts end with ``<y>``; decoding stops at ``</y>``, after ``max_new_tokens`` or where the sequence
-    would pass ``max_length`` (the length policy of training). Prompts are
-    grouped by length so no padding is needed.
+    would pass ``max_length`` (the length policy of training). Prompts are decoded in groups of one
+    length: the step bound depends on it, and the draws of a sampled decode on the grouping.
     """
     if template not in TEMPLATES:
         raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    prompts = []
-    for ex in examples:
-        z = [tokens.z_open, tokens.znull, tokens.z_close] if template == "znull" else []
-        prompts.append([tokens.bos, tokens.x_open, *ex.x_ids, tokens.x_close, *z, tokens.y_open])
+    layout = TemplateLayout(num_z_slots=1)
+    prompts = [layout.zcond_prompt(ex.x_ids, tokens) if template == "znull" else layout.zfree_prompt(ex.x_ids, tokens)
+               for ex in examples]
     by_length: dict[int, list[int]] = defaultdict(list)
     for i, p in enumerate(prompts):
         by_length[len(p)].append(i)
     if max_new_tokens is None:
         max_new_tokens = max_length
+
+    def next_logits(ids_RL: torch.Tensor, mask_RL: torch.Tensor) -> torch.Tensor:
+        logits_RLV = model(input_ids=ids_RL, attention_mask=mask_RL, use_cache=False).logits
+        last_R = mask_RL.sum(1) - 1  # right padding: each row's last real token
+        return logits_RLV[torch.arange(ids_RL.shape[0], device=ids_RL.device), last_R]
+
+    def draw(logits_RV: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(logits_RV.float().softmax(-1).cpu(), 1, generator=generator)[:, 0]
+
     result: list[list[int]] = [[] for _ in prompts]
     for length, rows in sorted(by_length.items()):
-        ids_BP = torch.tensor([prompts[i] for i in rows], device=device)
         # room left for y, </y> and <eos> within max_length
-        out = model(input_ids=ids_BP, use_cache=True)
-        cache, logits_BV = _cache_of(out), out.logits[:, -1]
-        done_B = torch.zeros(len(rows), dtype=torch.bool, device=device)
-        steps: list[torch.Tensor] = []
-        for _ in range(max(1, min(max_new_tokens, max_length - length - 1))):
-            if generator is None:
-                next_B = logits_BV.argmax(-1)
-            else:
-                probs_BV = logits_BV.float().softmax(-1).cpu()
-                next_B = torch.multinomial(probs_BV, 1, generator=generator)[:, 0].to(device)
-            next_B = torch.where(done_B, torch.full_like(next_B, tokens.y_close), next_B)
-            steps.append(next_B)
-            done_B |= next_B == tokens.y_close
-            if bool(done_B.all()):
-                break
-            out = model(input_ids=next_B[:, None], use_cache=True, **{_cache_kwarg(model): cache})
-            cache, logits_BV = _cache_of(out), out.logits[:, -1]
-        gen_BG = torch.stack(steps, 1).cpu().tolist()
-        for row, i in zip(gen_BG, rows):
-            result[i] = row[: row.index(tokens.y_close)] if tokens.y_close in row else row
+        num_steps = max(1, min(max_new_tokens, max_length - length - 1))
+        generated, _, _ = greedy_decode(
+            next_logits, [prompts[i] for i in rows], num_steps=num_steps, stop_id=tokens.y_close, pad_id=tokens.pad,
+            device=device, lock_step=False, choose_next=None if generator is None else draw,
+        )
+        for i, y_ids in zip(rows, generated):
+            result[i] = y_ids
     model.train(was_training)
     return result
 

@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return local_main(argv[1:])
     if argv and argv[0] in ("export", "generate", "encode"):
-        from zcvae.export import inference
+        from zcvae.export import cli as export_cli
 
-        return getattr(inference, f"{argv[0]}_main")(argv[1:])
+        return getattr(export_cli, f"{argv[0]}_main")(argv[1:])
     if argv and argv[0] == "convert-gguf":
         from zcvae.backbone.convert import main as convert_main
 

@@ -16,14 +16,14 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from zcvae.data.tasks import TASKS
+from zcvae.templates import TemplateLayout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
-# The decoder template: <s> <x> {x} </x> <z> {z} </z> <y> {y} </y> </s>; <znull> fills the z slot
-# when pretraining in the z-shaped template without a latent.
-TEMPLATE_TOKENS = ("<x>", "</x>", "<z>", "</z>", "<y>", "</y>", "<znull>")
+# The template markers (defined by zcvae.templates.TemplateLayout) get fixed ids right after these.
+TEMPLATE_TOKENS = TemplateLayout.MARKERS
 SPECIAL_TOKENS = (PAD, UNK, BOS, EOS, *TEMPLATE_TOKENS)
 
 

@@ -92,9 +92,9 @@ from zcvae.eval.metrics import (
     plot_latent_figure,
     reachable_nmi,
 )
-from zcvae.runs.rundir import CHECKPOINTS, RUN_CONFIG, LATENTS_FIGURE, atomic_write, atomic_write_json, eval_step_file, read_run_record
+from zcvae.runs.rundir import RUN_CONFIG, LATENTS_FIGURE, atomic_write, atomic_write_json, eval_step_file, read_run_record
 from zcvae.model.decoding import greedy_decode
-from zcvae.templates import EncodedExample, TemplateTokens, collate, z_slot_start, zcond_prompt
+from zcvae.templates import EncodedExample, TemplateLayout, TemplateTokens, collate
 
 __all__ = [
     "ACTIVE_UNITS_DELTA",
@@ -264,7 +264,7 @@ def _decode_pass(*, engine, model, cfg, val, examples, indices, keep, num_steps)
     padded shards give every rank the same batch shapes and forward count.
     """
     tokens: TemplateTokens = model.tokens
-    num_slots = cfg.slot_tokens
+    layout = TemplateLayout(cfg.slot_tokens)
     gaussian = cfg.latent_type != "discrete"
     records: list[dict] = []
     for start in range(0, len(indices), cfg.micro_batch_size):
@@ -275,8 +275,8 @@ def _decode_pass(*, engine, model, cfg, val, examples, indices, keep, num_steps)
             ex = val[i]
             spec = examples[i]
             for latent in spec.get("latents", [None]):
-                prompts.append(zcond_prompt(ex.x_ids, tokens, num_slots))
-                slot_start.append(z_slot_start(len(ex.x_ids)))
+                prompts.append(layout.zcond_prompt(ex.x_ids, tokens))
+                slot_start.append(layout.z_slot_start(len(ex.x_ids)))
                 latents.append(latent)
                 if gaussian:
                     zs.append(spec["z"])
@@ -723,7 +723,7 @@ def evaluate_run(
     """``zcvae evaluate RUN_DIR``: rebuild a finished run and evaluate it on one process.
 
     The config comes from ``RUN_DIR/run_config.json`` (key ``config``), the model from the backbone and
-    the run's newest complete checkpoint (or ``checkpoint``) via ``zcvae.export.inference.load_for_inference``,
+    the run's newest complete checkpoint (or ``checkpoint``) via ``zcvae.export.load.load_for_inference``,
     the validation set exactly as in training (``zcvae.data.dataset.load_splits``). Always fp32, one process
     (the local view of an engine, no optimizer); the reference is run online and c_base is the run's
     recorded value when its aggregation mode and validation fingerprint still match (else recomputed).
@@ -732,10 +732,10 @@ def evaluate_run(
     with ``trust_remote_code`` needs ``trust_remote_code=True`` here too (the run directory alone
     never lets the backbone's code run).
     """
-    from zcvae.runs.checkpoint import checkpoint_dirs, read_meta, resolve_checkpoint
+    from zcvae.runs.checkpoint import read_meta
     from zcvae.config import TrainConfig
     from zcvae.data.dataset import load_splits
-    from zcvae.export.inference import load_for_inference, resolve_backbone
+    from zcvae.export.load import load_for_inference, newest_checkpoint, resolve_backbone
     from zcvae.reference.c_base import CBase
     from zcvae.reference.provider import ReferenceProvider
     from zcvae.templates import encode_examples
@@ -753,9 +753,7 @@ def evaluate_run(
     cfg.engine, cfg.deepspeed_config, cfg.cpu_offload, cfg.precision = "local", None, False, "fp32"
     cfg.reference_policy = "online"  # a store would also compute b of every training example
 
-    ckpt = resolve_checkpoint(checkpoint) if checkpoint is not None else (checkpoint_dirs(run_dir / CHECKPOINTS) or [None])[-1]
-    if ckpt is None:
-        raise ValueError(f"run_dir: {str(run_dir)!r} has no complete checkpoint under checkpoints/ (did training finish?)")
+    ckpt = newest_checkpoint(run_dir, checkpoint)
     step = int(read_meta(ckpt).get("step", cfg.max_steps))
     backbone_dir = resolve_backbone(cfg, override=backbone, recorded=record.get("backbone"))
     model = load_for_inference(run_dir, backbone=backbone_dir, checkpoint=str(ckpt), trust_remote_code=trust_remote_code)

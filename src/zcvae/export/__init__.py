@@ -1,1 +1,2 @@
-"""Export of a trained run, loading it back, the model card, generate/encode."""
+"""Exports of a trained run: format (the directory's file names), export (writing one), load (an
+export or a run back as a model, decode/encode), card (the model card), cli (export/generate/encode)."""

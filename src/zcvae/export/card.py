@@ -1,4 +1,4 @@
-"""The README.md model card of an export directory (zcvae.export.inference.export_run writes it).
+"""The README.md model card of an export directory (zcvae.export.export.export_run writes it).
 
 Pure text: the run's resolved config, c_base, final metrics and how to load the export.
 """
@@ -60,7 +60,7 @@ zcvae encode THIS_DIR --x "..." --y "..."             # q(z|x,y) and p(z|x)
 ```
 
 ```python
-from zcvae.export.inference import load_for_inference
+from zcvae.export.load import load_for_inference
 model = load_for_inference("THIS_DIR")                # ZCVAE: tokenizer, router heads, adapter
 ```
 
@@ -87,7 +87,7 @@ with torch.no_grad():  # without this the added rows keep resize_token_embedding
 model = PeftModel.from_pretrained(base, "THIS_DIR")
 ```
 
-(`zcvae.export.inference.prepare_base(backbone, "THIS_DIR")` does the same.){' A merged full model (LoRA merged, z rows in the embedding) is in `merged/`: `AutoModelForCausalLM.from_pretrained("THIS_DIR/merged")`.' if meta.get('merged') else ''}
+(`zcvae.export.load.prepare_base(backbone, "THIS_DIR")` does the same.){' A merged full model (LoRA merged, z rows in the embedding) is in `merged/`: `AutoModelForCausalLM.from_pretrained("THIS_DIR/merged")`.' if meta.get('merged') else ''}
 
 Files: `adapter_config.json` and `adapter_model.safetensors` (peft LoRA + the K z rows as peft's
 trainable-token delta; no full embedding matrix), `latent_heads.safetensors` (z rows, router/prior

@@ -774,7 +774,7 @@ class ZCVAE(nn.Module):
     def _run_prefix(self, batch: Batch) -> _SharedPrefix:
         """One LoRA-adapted forward of ``<bos> <x> {x} </x>`` per example (right-padded)."""
         device = batch.input_ids.device
-        length_B = batch.x_close_pos.to(device) + 1  # P_i: bos <x> x </x>
+        length_B = batch.prefix_length.to(device)  # P_i: bos <x> x </x>
         P = int(length_B.max())
         cols_P = torch.arange(P, device=device)
         mask_BP = (cols_P[None] < length_B[:, None]).long()

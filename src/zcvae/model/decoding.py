@@ -1,4 +1,5 @@
-"""The one greedy decoder: evaluation (lock-step across ranks) and export's generate use it.
+"""The one greedy decoder: evaluation (lock-step across ranks), export's generate and the backbone's
+pretraining report (also sampled, through ``choose_next``) use it.
 
 Shapes: R rows, L tokens (prompt + generated so far), V vocabulary.
 """
@@ -19,6 +20,7 @@ def greedy_decode(
     pad_id: int,
     device: torch.device | str = "cpu",
     lock_step: bool = True,
+    choose_next: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[list[int]], list[bool], int]:
     """Greedy continuation of right-padded prompts for at most ``num_steps`` forwards.
 
@@ -26,7 +28,9 @@ def greedy_decode(
     row's last attended position. A row stops growing after a stop token (``stop_id``: one id or a
     collection). ``lock_step=True``: the forwards go on for all ``num_steps`` (so every rank calls the
     model as often, whatever its rows do: evaluation); ``lock_step=False``: stop as soon as every row
-    has stopped (one process: export's generate). Returns the generated ids of each row without the
+    has stopped (one process: export's generate). ``choose_next(logits_RV) -> ids_R`` picks every
+    row's next token (stopped rows included, their pick is dropped): argmax (greedy) when None; the
+    backbone's pretraining report passes a draw from the softmax for its sampled decode. Returns the generated ids of each row without the
     stop token, whether the row emitted one, and the number of forwards run.
     """
     if num_steps < 1:
@@ -51,7 +55,7 @@ def greedy_decode(
         mask_RL = (positions_L[:cur][None, :] < len_R[:, None]).long()
         logits_RV = next_logits(ids_RL[:, :cur], mask_RL)
         num_forwards += 1
-        next_R = logits_RV.argmax(-1).to(device)
+        next_R = (logits_RV.argmax(-1) if choose_next is None else choose_next(logits_RV)).to(device)
         live_R = ~done_R
         # Finished rows write nothing; live rows append at their own length.
         write_R = torch.where(live_R, len_R, torch.zeros_like(len_R))

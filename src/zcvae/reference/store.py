@@ -65,7 +65,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from zcvae.runs.rundir import atomic_write
-from zcvae.templates import Batch, EncodedExample, TemplateTokens, collate, zfree_fingerprint_text
+from zcvae.templates import Batch, EncodedExample, TemplateLayout, TemplateTokens, collate
 
 __all__ = [
     "C_BASE_SOURCES",
@@ -90,9 +90,6 @@ POLICIES = ("online", "precomputed")
 C_BASE_SOURCES = ("validation", "user")
 DEFAULT_CACHE_DIR = Path("~/.cache/zcvae/reference")
 STORE_FORMAT = "zcvae-reference/1"
-# Part of the fingerprint: a change of the z-free template (or of what is supervised) must invalidate
-# every store, even though the token ids of the markers may stay the same.
-TEMPLATE_LAYOUT = zfree_fingerprint_text()
 _HASH_CHUNK = 1 << 24
 
 
@@ -231,7 +228,9 @@ def reference_fingerprint(
         rows.append([ex.id, list(ex.x_ids), list(ex.y_ids)])
     return ReferenceFingerprint(
         backbone=backbone,
-        template=_sha256_json({"layout": TEMPLATE_LAYOUT, "tokens": dataclasses.asdict(tokens)}),
+        # the layout text: a change of the z-free template (or of what is supervised) must invalidate
+        # every store, even though the token ids of the markers may stay the same
+        template=_sha256_json({"layout": TemplateLayout.fingerprint_text(), "tokens": dataclasses.asdict(tokens)}),
         vocab=_sha256_json(sorted((str(k), int(v)) for k, v in mapping.items())),
         data=_sha256_json(rows),
         extra=_sha256_json(dict(extra or {})),

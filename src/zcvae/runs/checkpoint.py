@@ -51,6 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from zcvae.runs.rundir import read_json
+
 __all__ = [
     "COMPLETE",
     "CheckpointManager",
@@ -175,13 +177,8 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
-    path = Path(directory) / META
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"checkpoint file {str(path)!r} is missing") from None
-    except ValueError as err:
-        raise ValueError(f"checkpoint file {str(path)!r} is corrupt: {err}") from None
+    """The checkpoint's ``meta.json``; ValueError naming the file when it is missing or not JSON."""
+    return read_json(Path(directory) / META, what="checkpoint file")
 
 
 def load_trainable_state(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -116,6 +116,20 @@ def iter_metric_records(run_dir: str | os.PathLike):
             yield record
 
 
+
+def final_eval_metrics(run_dir: str | os.PathLike) -> tuple[int | None, dict[str, float]]:
+    """(step, numeric metrics) of the last eval record of ``metrics.jsonl`` ((None, {}) without one);
+    the last wins, as a resumed run may repeat steps."""
+    last: dict[str, Any] | None = None
+    for record in iter_metric_records(run_dir):
+        if record.get("split") == "eval":
+            last = record
+    if last is None:
+        return None, {}
+    metrics = {k: v for k, v in last.items() if k not in ("step", "split") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return last.get("step"), metrics
+
+
 def truncate_metrics(path: str | os.PathLike, *, after_step: int) -> None:
     """Drop records of ``metrics.jsonl`` past ``after_step``: a resumed run logs those steps again,
     and a reader must not see a step twice."""

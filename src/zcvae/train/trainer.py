@@ -312,10 +312,10 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
                 f"resume with --max-steps {start_step} or more, or start a new run in another --output-dir"
             )
         if start_step == cfg.max_steps and start_step > 0:
-            from zcvae.export.inference import _final_metrics
+            from zcvae.runs.rundir import final_eval_metrics
 
             say(f"[resume] checkpoint {state['checkpoint']!r} is already at max_steps {cfg.max_steps}: the run is complete, nothing written")
-            return _final_metrics(run_dir)[1]
+            return final_eval_metrics(run_dir)[1]
         say(f"[resume] from step {start_step}")
         if is_main:
             truncate_metrics(run_dir / METRICS, after_step=start_step)
