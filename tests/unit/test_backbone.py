@@ -65,9 +65,32 @@ def test_checkpoint_round_trips_offline(run):
     on_disk = json.loads((Path(config.output_dir) / SUMMARY_FILE).read_text())
     assert on_disk["config"] == config.to_dict() and on_disk["num_steps"] == 40
     assert on_disk["floor_nll_per_example"] == pytest.approx(math.log(2))
+    # copy decides at the first y token, so its decision token is the first token.
+    assert on_disk["val"]["zfree"]["decision_token_nll"] == pytest.approx(on_disk["val"]["zfree"]["first_token_nll"])
     assert set(on_disk["val"]["zfree"]["per_strategy"]) == {"forward", "reverse"}
     assert set(on_disk["decoding"]) == {"zfree", "znull"}
     assert any(line.startswith("step 20/40 loss") and "tokens/s" in line for line in lines)
+
+
+def test_decision_token_nll_scores_the_token_at_each_examples_position(run):
+    """Checked against Hugging Face's own cross-entropy at the </y> position (position len(y))."""
+    config, _, _ = run
+    model = AutoModelForCausalLM.from_pretrained(config.output_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(config.output_dir, local_files_only=True)
+    encoded, tokens = _val_encoded(config, tokenizer)
+    positions = [len(ex.y_ids) for ex in encoded]
+    got = evaluate_nll(model, encoded, tokens, batch_size=7, decision_positions=positions)["zfree"]["decision_token_nll"]
+    batch = collate(encoded, tokens)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.double(), -1)
+    nll = []
+    for i in range(len(encoded)):
+        labelled = (batch.labels[i] != IGNORE_INDEX).nonzero()[:, 0]
+        close = int(labelled[-1])  # </y>, the last supervised label
+        nll.append(-float(logp[i, close - 1, batch.labels[i, close]]))
+    assert got == pytest.approx(sum(nll) / len(nll), rel=1e-4)
+    with pytest.raises(ValueError, match="decision_positions"):
+        evaluate_nll(model, encoded, tokens, decision_positions=positions[:-1])
 
 
 def test_training_lowers_val_loss_against_init(run):

@@ -1,5 +1,6 @@
 """The synthetic multi-strategy tasks: parsers, determinism, strategy signal, vocabulary coverage."""
 
+import math
 import random
 import statistics
 
@@ -335,3 +336,11 @@ def test_late_families_keep_the_tokenizer_vocabulary_unchanged():
     old_words = {w for name in MARKER_FIRST for w in TASKS[name].vocabulary()}
     for name in LATE:
         assert set(TASKS[name].vocabulary()) <= old_words
+
+
+def test_y_entropy_is_log_s_unless_strategies_coincide():
+    # mul with b = 1: direct and repeated render one y, so y takes two values with 2/3 and 1/3.
+    assert TASKS["mul"].y_entropy("4 2 * 1") == pytest.approx(-(2 / 3) * math.log(2 / 3) - (1 / 3) * math.log(1 / 3))
+    assert TASKS["mul"].y_entropy("4 2 * 3") == pytest.approx(math.log(3))
+    assert TASKS["sort3"].y_entropy("3 1 2") == pytest.approx(math.log(3))
+    assert TASKS["copy"].y_entropy("3 1 4") == pytest.approx(math.log(2))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import sys
@@ -311,18 +310,30 @@ def _encode(examples, tokenizer, tokens, *, max_length: int, what: str, log) -> 
 
 
 @torch.no_grad()
-def evaluate_nll(model, examples: Sequence[EncodedExample], tokens: TemplateTokens, *, batch_size: int = 256) -> dict:
+def evaluate_nll(
+    model,
+    examples: Sequence[EncodedExample],
+    tokens: TemplateTokens,
+    *,
+    batch_size: int = 256,
+    decision_positions: Sequence[int] | None = None,
+) -> dict:
     """Validation y-sequence NLL under both templates (``<znull>`` in the z slot for "znull").
 
     Per template: ``nll_per_example`` (nats per sequence: the sum over y and ``</y>``, averaged over
     examples), ``nll_per_token`` (total nats / total tokens), ``first_token_nll`` (nats on the first y
-    token, where the strategy is chosen) and the same per gold strategy when examples carry one.
+    token, where the marker-first families choose the strategy) and the same per gold strategy when
+    examples carry one. With ``decision_positions`` (one y token index per example: where its
+    strategies first part), also ``decision_token_nll``, the nats on that token.
     """
+    if decision_positions is not None and len(decision_positions) != len(examples):
+        raise ValueError(f"decision_positions has {len(decision_positions)} entries for {len(examples)} examples")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     seq: dict[str, list[torch.Tensor]] = {t: [] for t in TEMPLATES}
     first: dict[str, list[torch.Tensor]] = {t: [] for t in TEMPLATES}
+    decision: dict[str, list[torch.Tensor]] = {t: [] for t in TEMPLATES}
     count: list[torch.Tensor] = []
     for start in range(0, len(examples), batch_size):
         batch = collate(list(examples[start : start + batch_size]), tokens).to(device)
@@ -336,6 +347,12 @@ def evaluate_nll(model, examples: Sequence[EncodedExample], tokens: TemplateToke
             seq[template].append(nll_BT.sum(1).cpu())
             first_pos_B = mask_BT.int().argmax(1)
             first[template].append(nll_BT.gather(1, first_pos_B[:, None])[:, 0].cpu())
+            if decision_positions is not None:
+                offset_B = torch.as_tensor(decision_positions[start : start + batch_size], device=first_pos_B.device)
+                # A position past y (never for the built-in families) scores </y>, the last supervised token.
+                last_B = first_pos_B + mask_BT.sum(1) - 1
+                pos_B = torch.minimum(first_pos_B + offset_B, last_B)
+                decision[template].append(nll_BT.gather(1, pos_B[:, None])[:, 0].cpu())
     model.train(was_training)
 
     n_B = torch.cat(count).double()
@@ -345,26 +362,30 @@ def evaluate_nll(model, examples: Sequence[EncodedExample], tokens: TemplateToke
         if s is not None:
             groups[s].append(i)
 
-    def stats(seq_B: torch.Tensor, first_B: torch.Tensor, idx: list[int] | None) -> dict:
+    def stats(seq_B: torch.Tensor, first_B: torch.Tensor, decision_B: torch.Tensor | None, idx: list[int] | None) -> dict:
+        m_B = n_B
         if idx is not None:
             sel = torch.as_tensor(idx)
             seq_B, first_B, m_B = seq_B[sel], first_B[sel], n_B[sel]
-        else:
-            m_B = n_B
-        return {
+            decision_B = None if decision_B is None else decision_B[sel]
+        entry = {
             "num_examples": int(seq_B.numel()),
             "nll_per_example": float(seq_B.mean()),
             "nll_per_token": float(seq_B.sum() / m_B.sum()),
             "first_token_nll": float(first_B.mean()),
             "mean_num_tokens": float(m_B.mean()),
         }
+        if decision_B is not None:
+            entry["decision_token_nll"] = float(decision_B.mean())
+        return entry
 
     out = {}
     for template in TEMPLATES:
         seq_B, first_B = torch.cat(seq[template]).double(), torch.cat(first[template]).double()
-        entry = stats(seq_B, first_B, None)
+        decision_B = torch.cat(decision[template]).double() if decision_positions is not None else None
+        entry = stats(seq_B, first_B, decision_B, None)
         if groups:
-            entry["per_strategy"] = {s: stats(seq_B, first_B, idx) for s, idx in sorted(groups.items())}
+            entry["per_strategy"] = {s: stats(seq_B, first_B, decision_B, idx) for s, idx in sorted(groups.items())}
         out[template] = entry
     return out
 
@@ -464,8 +485,9 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
 
     The summary (also ``pretrain_summary.json``) holds the resolved config, steps, wall time, the
     validation y NLL per template before and after training (nats per sequence and per token, per
-    strategy), the floor ``log S`` nats per sequence for a built-in task with S strategies revealed by
-    the first y token, and the decoding report when a task parser is available.
+    strategy; for a built-in task also on each example's decision token), the floor (the validation mean
+    of H(y | x): log S for S strategies that give S different ys) for a built-in task, and the
+    decoding report when a task parser is available.
     """
     flush_denormals(log=log)
     previous_threads = torch.get_num_threads()
@@ -504,7 +526,14 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
         f"backbone: {num_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}, "
         f"{len(train)} train / {len(val)} val examples, device {device}, {torch.get_num_threads()} threads"
     )
-    initial = evaluate_nll(model, val, tokens)
+    # Built-in families: where each validation y's strategies first part (the token that carries the
+    # choice; position 0 for the marker-first families) and the best possible z-free NLL, H(y | x).
+    floor = decision_pos = None
+    if task is not None:
+        x_of = {ex.id: ex.x for ex in val_ex}
+        decision_pos = [(task.decision_positions(x_of[ex.id]) or (0,))[0] for ex in val]
+        floor = sum(task.y_entropy(x_of[ex.id]) for ex in val) / max(len(val), 1)
+    initial = evaluate_nll(model, val, tokens, decision_positions=decision_pos)
 
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -558,15 +587,14 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
             )
             window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, now
         if config.eval_every and step % config.eval_every == 0 and step != config.max_steps:
-            zf = evaluate_nll(model, val, tokens)["zfree"]
-            log(f"step {step} val y NLL {zf['nll_per_example']:.3f} nats/sequence (first token {zf['first_token_nll']:.3f})")
+            zf = evaluate_nll(model, val, tokens, decision_positions=decision_pos)["zfree"]
+            log(f"step {step} val y NLL {zf['nll_per_example']:.3f} nats/sequence{_decision_note(zf)}")
             window_start = time.perf_counter()  # keep evaluation out of tokens/s
     train_time = time.perf_counter() - train_start
     # CPU seconds of this process: on a shared machine, a steadier measure of cost than wall time.
     train_cpu_time = time.process_time() - train_cpu_start
 
-    final = evaluate_nll(model, val, tokens)
-    floor = math.log(len(task.strategies)) if task is not None else None
+    final = evaluate_nll(model, val, tokens, decision_positions=decision_pos)
     summary: dict = {
         "finished": True,
         "config": config.to_dict(),
@@ -580,8 +608,9 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
         "train_tokens_per_s": total_tokens / max(train_time, 1e-9),
         "val_initial": initial,
         "val": final,
-        # With S equiprobable strategies named by the first y token and the rest deterministic, the best
-        # possible y-sequence NLL is log S nats (all of it on the first token).
+        # With equiprobable strategies and each y deterministic given (x, strategy), the best possible
+        # y-sequence NLL is the validation mean of H(y | x): log S where the S strategies give S
+        # different ys, all of it on the decision token.
         "floor_nll_per_example": floor,
     }
     if task is not None and config.num_decode_examples > 0:
@@ -594,7 +623,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
     zf, zn = final["zfree"], final["znull"]
     log(
         f"done in {summary['wall_time_s']:.1f}s: val y NLL z-free {zf['nll_per_example']:.3f} "
-        f"(first token {zf['first_token_nll']:.3f}), znull {zn['nll_per_example']:.3f} nats/sequence"
+        f"{_decision_note(zf)}, znull {zn['nll_per_example']:.3f} nats/sequence"
         + (f", floor {floor:.3f}" if floor is not None else "")
         + f"; wrote {config.output_dir}"
     )
@@ -604,6 +633,12 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
                 freq = ", ".join(f"{s} {f:.2f}" for s, f in d["strategy_freq"].items())
                 log(f"decode {template} {mode}: {freq}; parse_ok {d['parse_ok']:.2f} answer acc {d['answer_accuracy']:.2f}")
     return summary
+
+
+def _decision_note(stats: dict) -> str:
+    if "decision_token_nll" in stats:
+        return f" (decision token {stats['decision_token_nll']:.3f})"
+    return f" (first token {stats['first_token_nll']:.3f})"
 
 
 def _write_checkpoint(model, tokenizer, summary: dict, output_dir: str) -> None:

@@ -67,6 +67,7 @@ correct answer in the same format, so answer accuracy is `parse(y).answer == ans
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -241,6 +242,16 @@ class TaskFamily:
         for strategy in self.strategies:
             groups.setdefault(self.render(x, strategy), []).append(strategy)
         return [tuple(group) for group in groups.values() if len(group) > 1]
+
+    def y_entropy(self, x: str) -> float:
+        """H(y | x) in nats with the strategy drawn uniformly: strategies that render one y count as one.
+
+        The best z-free y-sequence NLL of x (a backbone's floor): log S when every strategy gives its
+        own y, less when some coincide (`mul` with b = 1). ValueError if x is malformed.
+        """
+        counts = Counter(self.render(x, strategy) for strategy in self.strategies)
+        total = len(self.strategies)
+        return -sum(c / total * math.log(c / total) for c in counts.values())
 
     def vocabulary(self) -> list[str]:
         """Every word that can appear in this family's x or y, sorted."""
