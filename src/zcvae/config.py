@@ -21,6 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from zcvae.strict import StrictDataclass, check_keys
 
 
 def _f(default, help: str, **kw):
@@ -28,7 +29,7 @@ def _f(default, help: str, **kw):
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(StrictDataclass):
     # ---- data
     task: str | None = _f(None, "Built-in synthetic task family (the default task when neither --task nor --train-data is given).")
     train_data: str | None = _f(None, "JSONL file with fields id, x, y and optional strategy (instead of --task).")
@@ -120,15 +121,9 @@ class TrainConfig:
     def from_dict(cls, values: dict[str, Any], *, source: str = "config", default_objective: str | None = None) -> "TrainConfig":
         """Build from a dict of the fields that were *given*; the objective is resolved by
         :func:`expand_objective` (so a dict must hold only what a user set, not a full default dict)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown config key(s) {unknown}; see `zcvae train --help`")
+        check_keys(cls, values, what=f"{source} (see `zcvae train --help`)")
         check_types(cls, values, source=source)
         return cls(**expand_objective(values, default=default_objective))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     # -- derived sub-configs
     def reconstruction_config(self):

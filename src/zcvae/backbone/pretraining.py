@@ -28,7 +28,6 @@ Shape legend: B batch, T sequence length, V vocabulary; decoding: R rows, L prom
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -58,6 +57,7 @@ from zcvae.templates import (
     encode_examples,
     prepare_tokenizer,
 )
+from zcvae.strict import StrictDataclass
 
 SUMMARY_FILE = "pretrain_summary.json"
 # Files a finished checkpoint directory must hold; the summary is written last.
@@ -66,7 +66,7 @@ TEMPLATES = ("zfree", "znull")
 
 
 @dataclass
-class PretrainConfig:
+class PretrainConfig(StrictDataclass):
     """How to pretrain the backbone. ``from_dict`` rejects unknown keys; fields are checked on creation."""
 
     task: str | None = None
@@ -163,18 +163,6 @@ class PretrainConfig:
             raise ValueError(f"output_dir must be a non-empty path, got {self.output_dir!r}")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "PretrainConfig":
-        """A config from a mapping; ValueError naming any unknown key."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown PretrainConfig key(s) {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def tiny_llama_config(

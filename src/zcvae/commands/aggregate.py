@@ -23,7 +23,7 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from zcvae.config import RECONSTRUCTION_WEIGHT_FIELDS

@@ -84,6 +84,7 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from zcvae.strict import StrictDataclass
 
 __all__ = [
     "AGGREGATION_MODES",
@@ -157,7 +158,7 @@ def _is_real_number(value: Any) -> bool:
 
 
 @dataclasses.dataclass
-class ReconstructionLossConfig:
+class ReconstructionLossConfig(StrictDataclass):
     """Weights and knobs of the reconstruction stack (seed 003 fields plus the aggregation mode)."""
 
     raw_weight: float = 1.0
@@ -211,18 +212,6 @@ class ReconstructionLossConfig:
                 raise ValueError(f"zfree_reference_scale must be a finite number or None, got {scale!r}")
             if scale <= 0:
                 raise ValueError(f"zfree_reference_scale must be > 0, got {scale!r}")
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ReconstructionLossConfig":
-        """Build from a mapping; unknown keys raise ValueError naming them (typos must not be ignored)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown ReconstructionLossConfig keys: {unknown}; known keys: {sorted(known)}")
-        return cls(**dict(d))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def reconstruction_weights(config: ReconstructionLossConfig) -> dict[str, float]:

@@ -20,17 +20,17 @@ The trainer never branches on the engine type. Its contract with every engine:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from zcvae import distributed as zdist
+from zcvae.strict import StrictDataclass
 
 __all__ = ["ENGINES", "PRECISIONS", "AdamWSettings", "Engine", "EngineBase", "EngineConfig"]
 
@@ -39,7 +39,7 @@ PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(StrictDataclass):
     """How the model is replicated or sharded over processes."""
 
     engine: str = "local"
@@ -78,19 +78,6 @@ class EngineConfig:
                 raise ValueError(f"deepspeed_config is only used by engine='deepspeed', not {self.engine!r}")
         if self.cpu_offload and self.engine == "local":
             raise ValueError("cpu_offload needs engine='deepspeed' or 'fsdp2'; the local engine keeps everything on its device")
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
-        if not isinstance(data, Mapping):
-            raise ValueError(f"engine config must be a mapping, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown engine config field(s) {unknown}; known fields are {sorted(known)}")
-        return cls(**dict(data))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @runtime_checkable

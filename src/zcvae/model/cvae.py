@@ -31,7 +31,6 @@ dimension, M z slots, R rows of a branch forward (B*K) or of a decode call.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import math
 import os
@@ -54,6 +53,7 @@ from zcvae.core.latent import (
 )
 from zcvae.core.losses import gather_span, supervised_token_nll, token_nll
 from zcvae.templates import IGNORE_INDEX, ZNULL, Batch, TemplateTokens, prepare_tokenizer
+from zcvae.strict import StrictDataclass
 
 __all__ = ["CVAEOutput", "LATENT_TYPES", "MODES", "ModelConfig", "ZCVAE", "default_lora_targets"]
 
@@ -85,7 +85,7 @@ def default_lora_targets(model_type: str) -> list[str] | str:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(StrictDataclass):
     """How the backbone becomes a CVAE. ``from_dict`` rejects unknown keys."""
 
     latent_type: str = "discrete"
@@ -158,17 +158,6 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.share_x_prefix, bool):
             raise ValueError(f"share_x_prefix must be a bool, got {self.share_x_prefix!r}")
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig keys: {unknown}")
-        return cls(**data)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 
 from zcvae.core.losses import AGGREGATION_MODES, base_loss
 from zcvae.reference.store import C_BASE_SOURCES, ReferenceStore
+from zcvae.strict import StrictDataclass, check_keys
 
 __all__ = ["CBase", "c_base_from_store", "c_base_from_sum_count", "c_base_sum_count", "resolve_c_base"]
 
@@ -36,7 +37,7 @@ def _check_scale(value: Any, field: str) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class CBase:
+class CBase(StrictDataclass):
     """The z-free reference scale c_base and what it was computed for."""
 
     value: float
@@ -58,15 +59,9 @@ class CBase:
         if not isinstance(self.fingerprint, str):
             raise ValueError(f"c_base fingerprint must be a string, got {self.fingerprint!r}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "CBase":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown, missing = sorted(set(values) - names), sorted(names - set(values))
-        if unknown or missing:
-            raise ValueError(f"c_base record: unknown keys {unknown}, missing keys {missing}")
+        check_keys(cls, values, what="c_base record", require_all=True)
         return cls(**values)
 
 
