@@ -53,6 +53,7 @@ class TrainConfig(StrictDataclass):
     branch_chunk_size: int | None = _f(None, "Rows of the B*K branch forward per chunk. Each chunk is rebuilt in the backward (exact), so peak branch memory grows with it, not with K; costs one more branch forward unless --gradient-checkpointing is on. Default: all rows at once, also with --gradient-checkpointing, whose per-layer checkpoints already keep branch memory nearly flat in K (a chunk switches them off inside itself; BENCHMARKS.md).")
     z_init_noise: float = _f(0.1, "z rows start as the <znull> row plus this times the row norm of noise.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass.")
+    posterior_pooling: str = _f("last", "What q(z|x,y) reads: last (the final state at </y>) or mean (the mean final state over <y> y </y>; for strategies that part mid-y and end alike).", choices=("last", "mean"))
     share_x_prefix: bool = _f(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact, also under gradient checkpointing; falls back with a reason where unsupported).")
     # ---- reconstruction (seed 003, 001)
     objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: zcvae.config.DEFAULT_OBJECTIVE (TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
@@ -160,6 +161,7 @@ class TrainConfig(StrictDataclass):
             branch_chunk_size=self.branch_chunk_size,
             z_init_noise=self.z_init_noise,
             gradient_checkpointing=self.gradient_checkpointing,
+            posterior_pooling=self.posterior_pooling,
             share_x_prefix=self.share_x_prefix,
             trust_remote_code=self.trust_remote_code,
         )

@@ -368,3 +368,16 @@ def test_bad_configuration(backbones, tmp_path):
     with pytest.raises(ValueError, match="num_z_slots"):
         model(dataclasses.replace(batch, num_z_slots=2), mode="train")
     assert math.isfinite(float(model(batch, mode="reference")[0].sum()))
+
+
+def test_posterior_state_pools_the_y_span_by_hand():
+    from zcvae.model.cvae import posterior_state
+
+    h_BTH = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
+    start_B, end_B = torch.tensor([1, 0]), torch.tensor([3, 4])
+    torch.testing.assert_close(posterior_state(h_BTH, start_B, end_B, "last"), torch.stack([h_BTH[0, 3], h_BTH[1, 4]]))
+    torch.testing.assert_close(posterior_state(h_BTH, start_B, end_B, "mean"), torch.stack([h_BTH[0, 1:4].mean(0), h_BTH[1, 0:5].mean(0)]))
+    with pytest.raises(ValueError, match="posterior_pooling"):
+        posterior_state(h_BTH, start_B, end_B, "max")
+    with pytest.raises(ValueError, match="posterior_pooling"):
+        ModelConfig(posterior_pooling="max")

@@ -127,6 +127,17 @@ def test_discrete_shared_prefix_equals_full_path(backbones, arch, num_latents):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_mean_pooled_posterior_shared_prefix_equals_full_path(backbones, arch):
+    """posterior_pooling="mean" pools <y> .. </y>, which sit at other columns on the shared path."""
+    model, batch = build(backbones, arch, num_latents=3, posterior_pooling="mean")
+    assert_same(model, batch)
+    last, _ = build(backbones, arch, num_latents=3)
+    with torch.no_grad():
+        # the same weights read a different state: the pooling is really in use
+        assert not torch.allclose(model(batch, mode="encode").posterior_logits, last(batch, mode="encode").posterior_logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_discrete_multi_slot_shared_prefix_equals_full_path(backbones, arch):
     """--num-z-slots 2 for the discrete latent: the z section <z> z_k^1 z_k^2 </z> after the cache."""
     model, batch = build(backbones, arch, num_latents=3, num_z_slots=2)

@@ -84,6 +84,23 @@ def default_lora_targets(model_type: str) -> list[str] | str:
     return _LORA_TARGETS[model_type]
 
 
+POSTERIOR_POOLING = ("last", "mean")
+
+
+def posterior_state(h_BTH: torch.Tensor, start_B: torch.Tensor, end_B: torch.Tensor, pooling: str) -> torch.Tensor:
+    """The posterior's input (B, H): the state at ``end_B`` (``last``) or the mean of the states at
+    ``start_B .. end_B`` inclusive (``mean``); both index the T axis of ``h_BTH``."""
+    rows = torch.arange(h_BTH.shape[0], device=h_BTH.device)
+    if pooling == "last":
+        return h_BTH[rows, end_B]
+    if pooling != "mean":
+        raise ValueError(f"posterior_pooling must be one of {POSTERIOR_POOLING}, got {pooling!r}")
+    t_T = torch.arange(h_BTH.shape[1], device=h_BTH.device)
+    inside_BT = (t_T[None, :] >= start_B[:, None]) & (t_T[None, :] <= end_B[:, None])
+    weights_BT = inside_BT.to(h_BTH.dtype) / (end_B - start_B + 1).to(h_BTH.dtype)[:, None]
+    return torch.einsum("bt,bth->bh", weights_BT, h_BTH)
+
+
 @dataclass
 class ModelConfig(StrictDataclass):
     """How the backbone becomes a CVAE. ``from_dict`` rejects unknown keys."""
@@ -120,6 +137,11 @@ class ModelConfig(StrictDataclass):
     disable_backbone_dropout: bool = True
     """Set the backbone's own dropout to 0 (LoRA dropout is separate): the K branches of one example,
     the reference pass and a (world, accumulation) re-split must see the same function."""
+    posterior_pooling: str = "last"
+    """What the posterior q(z|x,y) reads: ``last``, the final hidden state at ``</y>``; ``mean``, the
+    mean of the final hidden states over ``<y> y </y>``. A late decision (the strategy shows mid-y, and
+    the strategies end alike) is in the states right after it, which next-token prediction must keep,
+    but not necessarily in the ``</y>`` state, which only has to predict ``<eos>``."""
     share_x_prefix: bool = True
     """Train mode: run ``<bos> <x> {x} </x>`` once per example and reuse its keys and values (gradients
     flow through them) for the router's z-free suffix and every branch, instead of re-running x in
@@ -156,6 +178,8 @@ class ModelConfig(StrictDataclass):
             raise ValueError(f"z_init_noise must be a finite number >= 0, got {self.z_init_noise!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.posterior_pooling not in POSTERIOR_POOLING:
+            raise ValueError(f"posterior_pooling must be one of {POSTERIOR_POOLING}, got {self.posterior_pooling!r}")
         if not isinstance(self.share_x_prefix, bool):
             raise ValueError(f"share_x_prefix must be a bool, got {self.share_x_prefix!r}")
 
@@ -636,7 +660,8 @@ class ZCVAE(nn.Module):
         h_BTH = out.hidden_states[-1]  # final (normed) hidden state
         rows = torch.arange(h_BTH.shape[0], device=h_BTH.device)
         h_prior = h_BTH[rows, batch.x_close_pos.to(h_BTH.device)]  # (B, H) sees x only
-        h_post = h_BTH[rows, batch.y_close_pos.to(h_BTH.device)]  # (B, H) sees x and y
+        y_open_B = batch.x_close_pos.to(h_BTH.device) + 1
+        h_post = posterior_state(h_BTH, y_open_B, batch.y_close_pos.to(h_BTH.device), self.config.posterior_pooling)
         zfree_nll, mask = self._span_nll(out, batch.labels, n_span=n_span)
         return h_prior, h_post, zfree_nll, mask
 
@@ -824,8 +849,9 @@ class ZCVAE(nn.Module):
         ids_BW, mask_BW, labels_BW = _suffix(batch.input_ids, batch.attention_mask, batch.labels, prefix.length_B, pad=self.tokens.pad)
         out = self._lm_after_prefix(prefix, input_ids=ids_BW, attention_mask=mask_BW, hidden=True)
         h_BWH = out.hidden_states[-1]
-        rows = torch.arange(h_BWH.shape[0], device=h_BWH.device)
-        h_post = h_BWH[rows, batch.y_close_pos.to(h_BWH.device) - prefix.length_B]  # (B, H) sees x and y
+        # The suffix starts at <y>: column 0.
+        y_close_B = batch.y_close_pos.to(h_BWH.device) - prefix.length_B
+        h_post = posterior_state(h_BWH, torch.zeros_like(y_close_B), y_close_B, self.config.posterior_pooling)
         zfree_nll, mask = self._span_nll(out, labels_BW, n_span=n_span)
         return prefix.h_prior_BH, h_post, zfree_nll, mask
 
