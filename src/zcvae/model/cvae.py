@@ -660,8 +660,8 @@ class ZCVAE(nn.Module):
         h_BTH = out.hidden_states[-1]  # final (normed) hidden state
         rows = torch.arange(h_BTH.shape[0], device=h_BTH.device)
         h_prior = h_BTH[rows, batch.x_close_pos.to(h_BTH.device)]  # (B, H) sees x only
-        y_open_B = batch.x_close_pos.to(h_BTH.device) + 1
-        h_post = posterior_state(h_BTH, y_open_B, batch.y_close_pos.to(h_BTH.device), self.config.posterior_pooling)
+        # <y> sits right after the shared prefix <bos> <x> {x} </x>
+        h_post = posterior_state(h_BTH, batch.prefix_length.to(h_BTH.device), batch.y_close_pos.to(h_BTH.device), self.config.posterior_pooling)
         zfree_nll, mask = self._span_nll(out, batch.labels, n_span=n_span)
         return h_prior, h_post, zfree_nll, mask
 
