@@ -91,3 +91,15 @@ def test_readme_sweep_commands_name_files_that_exist():
     assert commands, "the README shows a sweep command"
     for family in commands:
         assert (REPO / family).is_file(), family
+
+
+@pytest.mark.parametrize("path", sorted(FAMILIES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_family_plans_with_known_fields_and_distinct_names(path):
+    """A typo in a family's field, or two arms that collapse onto one run name, fails here rather than after an
+    hour of sweeping."""
+    family = load_family(path)
+    defaults, _ = resolve_defaults(family, source="config")
+    runs = plan_runs(family, defaults, check_known_fields=True)
+    assert runs and len({r.name for r in runs}) == len(runs)
+    for run in runs:
+        TrainConfig.from_dict(dict(run.params))
