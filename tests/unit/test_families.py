@@ -103,3 +103,17 @@ def test_every_shipped_family_plans_with_known_fields_and_distinct_names(path):
     assert runs and len({r.name for r in runs}) == len(runs)
     for run in runs:
         TrainConfig.from_dict(dict(run.params))
+
+
+def test_late_decisions_config_is_the_first_arm_of_late_pool_support():
+    """The recipe users get (launch/configs/late-decisions.yaml) is the arm the README's late-decision table
+    measured, so the two files cannot drift apart."""
+    config = REPO / "launch" / "configs" / "late-decisions.yaml"
+    args = build_parser().parse_args(["train", "--config", str(config), "--task", "sort3", "--num-latents", "3"])
+    cfg = resolve_train_config(args)
+    family = load_family(FAMILIES / "late-pool-support.yaml")
+    arm = {key: values[0] for key, values in family["zip"][0].items()}
+    assert arm["kl_delay_fraction"] == 0.6 and arm["router_support_weight"] == 1.0
+    for key, value in arm.items():
+        assert getattr(cfg, key) == value, key
+    assert cfg.distribution_normalized_reconstruction_weight == 1.0 and cfg.reconstruction_weight == 1.0
