@@ -27,10 +27,12 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
 * Decoding, on the first ``cfg.num_eval_decode_examples`` validation x: greedy, a fixed number of
   steps (``cfg.max_new_tokens``, or the longest validation y + 2) in lock-step on every rank, each row
   stopping at ``</y>`` (a stopped row still runs the forwards, so no rank leaves the loop early).
-  Discrete latent with a task parser: every latent k is decoded for every x (controllability:
+  Discrete latent: every latent k is decoded for every x, with or without a parser.
+  ``control/distinct_outputs`` is the fraction of those x whose decodes differ across the latents
+  (``eval.metrics.distinct_outputs``; no parser needed). With a task parser, controllability:
   per-latent purity, best one-to-one latent->strategy matching accuracy, parse rate, answer
-  accuracy). ``exact_match`` is the fraction of x whose decode under the posterior's argmax latent
-  equals the gold y token for token (and closes with ``</y>``); without a parser only that decode runs.
+  accuracy. ``exact_match`` is the fraction of x whose decode under the posterior's argmax latent
+  equals the gold y token for token (and closes with ``</y>``).
   Gaussian latent: controllability over latents is undefined, so each x is decoded once with z = the
   posterior mean mu(x, y): ``exact_match`` (reconstruction), and with a parser the parse rate, answer
   accuracy and agreement with the gold strategy of those decodes.
@@ -84,6 +86,7 @@ from zcvae.eval.metrics import (
     cluster_scores,
     controllability_metrics,
     discrete_latent_metrics,
+    distinct_outputs,
     gaussian_latent_metrics,
     information_gain_by_position,
     length_terciles,
@@ -574,6 +577,8 @@ def summarize(
         ctrl_records = _control_records(decodes, val=val, tokenizer=tokenizer, task=task, map_latent=map_latent)
         exact = [float(r["exact_match"]) for r in ctrl_records if "exact_match" in r]
         scalars["exact_match"] = float(np.mean(exact))
+        if cfg.latent_type == "discrete":
+            scalars["control/distinct_outputs"] = distinct_outputs(decodes)
         if task is not None:
             ctrl = controllability_metrics(ctrl_records)
             scalars["control/parse_rate"] = float(ctrl["parse_rate"])
@@ -696,9 +701,8 @@ def _evaluate(*, engine, model, cfg, val, reference, task, all_gather_object):
     if num_decode > 0:
         num_steps = decode_length(cfg, val)
         if cfg.latent_type == "discrete":
-            every = task is not None  # controllability needs a parser; exact match only the argmax
-            specs = {r["index"]: {"latents": list(range(cfg.num_latents)) if every else [int(np.argmax(r["q"]))]}
-                     for r in records[:num_decode]}
+            # every latent, also without a parser: control/distinct_outputs compares the decodes across z
+            specs = {r["index"]: {"latents": list(range(cfg.num_latents))} for r in records[:num_decode]}
         else:
             specs = {r["index"]: {"z": r["mu"]} for r in records[:num_decode]}
         d_indices, d_keep = shard_indices(num_decode, rank=rank, world_size=world)
@@ -728,7 +732,9 @@ def evaluate_run(
     (the local view of an engine, no optimizer); the reference is run online and c_base is the run's
     recorded value when its aggregation mode and validation fingerprint still match (else recomputed).
     Writes the metrics to ``output`` (default ``RUN_DIR/eval_metrics.json``) and the details and figure
-    to ``evaluate/`` next to it, so the files the trainer wrote are never overwritten. A run trained
+    to ``evaluate/`` next to it, so the files the trainer wrote are never overwritten; the verdict of
+    these metrics (``zcvae.eval.verdict``) goes to ``verdict.json`` next to ``output`` (by default
+    replacing the trainer's, which it derives from the same checkpoint). A run trained
     with ``trust_remote_code`` needs ``trust_remote_code=True`` here too (the run directory alone
     never lets the backbone's code run).
     """
@@ -775,6 +781,9 @@ def evaluate_run(
                        run_dir=output.parent / "evaluate", step=step)
     output.parent.mkdir(parents=True, exist_ok=True)
     _write_json(output, {"step": step, "checkpoint": str(ckpt), "metrics": metrics})
+    from zcvae.eval.verdict import report_verdict
+
+    report_verdict(output.parent, metrics, record["config"], step=step, source="evaluate", log=None)  # verdict.json next to it
     return metrics
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "reachable_nmi",
     "controllability_metrics",
     "discrete_latent_metrics",
+    "distinct_outputs",
     "gaussian_latent_metrics",
     "information_gain_by_position",
     "kmeans_labels",
@@ -407,6 +408,26 @@ def controllability_metrics(decoded: Sequence[Any]) -> dict[str, Any]:
             for r in with_gold
         ) / len(with_gold)
     return out
+
+
+def distinct_outputs(decoded: Sequence[Any]) -> float:
+    """Fraction of decoded x whose greedy output differs across the latents it was decoded with.
+
+    Each record (a mapping or an object) has ``index`` (the x), ``generated`` (the token ids) and
+    ``closed`` (whether ``</y>`` ended it); two decodes of one x differ when their tokens or their
+    closing differ. No parser is needed: it asks only whether z changes what the decoder writes, so 0
+    means the decoder ignores z on every x (an x decoded with a single latent counts as not differing).
+    """
+    records = list(decoded)
+    if not records:
+        raise ValueError("decoded: need at least one decoded record")
+    outputs: dict[Any, set] = {}
+    for i, rec in enumerate(records):
+        index, generated = _field(rec, "index"), _field(rec, "generated")
+        if index is None or generated is None:
+            raise ValueError(f"decoded[{i}]: needs the fields 'index' and 'generated'")
+        outputs.setdefault(index, set()).add((tuple(int(t) for t in generated), bool(_field(rec, "closed", False))))
+    return sum(len(seen) > 1 for seen in outputs.values()) / len(outputs)
 
 
 # ----------------------------------------------------------------------------------------------
