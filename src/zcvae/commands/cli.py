@@ -81,6 +81,13 @@ def _cmd_evaluate(args) -> int:
         value = metrics[name]
         if isinstance(value, float):
             print(f"{name}: {value:.4f}")
+    from pathlib import Path
+
+    from zcvae.eval.verdict import read_verdict
+
+    verdict = read_verdict(Path(args.output).parent if args.output else Path(args.run_dir))  # evaluate_run wrote it
+    for line in verdict["lines"] if verdict else ():
+        print(line)
     return 0
 
 
@@ -117,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="Evaluate a finished run directory.")
     p.add_argument("run_dir")
-    p.add_argument("--output", help="Write the metrics as JSON here (default: RUN_DIR/eval_metrics.json).")
+    p.add_argument("--output", help="Write the metrics as JSON here (default: RUN_DIR/eval_metrics.json); verdict.json goes next to it.")
     p.set_defaults(func=_cmd_evaluate)
 
     sub.add_parser("aggregate", help="Table of final metrics over run directories (see `zcvae aggregate --help`).", add_help=False)

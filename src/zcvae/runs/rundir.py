@@ -7,6 +7,7 @@ A run directory (``--output-dir``) holds::
     checkpoints/step_N/      complete checkpoints, see zcvae.runs.checkpoint (CHECKPOINTS)
     eval_step{N}.json        the full evaluation at step N (eval_step_file)
     latents.png              the newest latent/strategy figure (LATENTS_FIGURE)
+    verdict.json             the end-of-run verdict, zcvae.eval.verdict (VERDICT)
 
 Every file that a reader may open while a writer runs is written through ``atomic_write``: into a
 temporary file in the same directory, then ``os.replace``d over the target, so a reader sees the old
@@ -33,6 +34,10 @@ LATENTS_FIGURE = "latents.png"
 def eval_step_file(step: int) -> str:
     """Name of the full evaluation record of step ``step``."""
     return f"eval_step{step}.json"
+
+
+# The end-of-run verdict (zcvae.eval.verdict), written by `zcvae train` and `zcvae evaluate`.
+VERDICT = "verdict.json"
 
 
 # --------------------------------------------------------------------------- writers

@@ -385,6 +385,10 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     logger.hparams(cfg, final)
     logger.close()
     say(f"[done] {cfg.run_name}: " + ", ".join(f"{k}={final[k]:.3f}" for k in ("nmi", "mi", "kl", "exact_match") if k in final))
+    if is_main:  # after the checkpoint: a verdict is read from the metrics, and must never cost a run
+        from zcvae.eval.verdict import report_verdict
+
+        report_verdict(run_dir, final, cfg.to_dict(), step=cfg.max_steps, source="train", log=say)
     return final
 
 

@@ -1,0 +1,376 @@
+"""The end-of-run verdict: did z do anything, and what to try next, without gold labels.
+
+    verdict = judge(metrics, config, step=300, source="train")   # metrics: evaluate()'s flat dict
+    report_verdict(run_dir, metrics, config, step=300, source="train", log=print)  # + verdict.json + lines
+
+`zcvae train` and `zcvae evaluate` end with it (``verdict.json``, ``zcvae.runs.rundir.VERDICT``),
+`zcvae aggregate` shows its ``verdict`` string as a column, and ``bench/verdict_check.py`` compares it
+with the gold metrics over a directory of runs. It reads only the final evaluation's flat metrics and
+the run's config, so a run directory from before the verdict existed gets the same verdict from its
+``metrics.jsonl``:
+
+* information: I(x,y; z) (``mi``, nats) against log K, its ceiling; and KL(q || p) (``kl``), what z
+  adds beyond what x predicts (near 0 when the prior already knows z, or when z is unused);
+* latents in use: the count ``num_used_latents`` (mean q above 1%) and the effective number
+  ``router_support`` = exp H(mean q), the perplexity of the aggregate posterior, in [1, K];
+* decoding: ``control/distinct_outputs``, the fraction of decoded x whose greedy output changes with
+  the latent (no parser needed).
+
+Without gold labels the verdict is ``collapsed`` or ``in use (K_eff of K)``: a merge of two strategies
+into one latent cannot be told from a spare latent left unused. With gold strategies (``nmi`` among the
+metrics) it adds the gold metrics and one of ``collapsed`` / ``merged`` / ``split`` / ``mixed`` /
+``aligned``, from the soft confusion matrix that ``by_strategy/<s>/latent_usage/<k>`` and
+``by_strategy/<s>/num_examples`` give. Where the run looks collapsed or merged it suggests one next step.
+A Gaussian latent is judged by its active units (``active_units`` of ``latent_dim``) and the gold NMI
+of its k-means clusters; it has no per-latent decodes, so no ``distinct_outputs``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from zcvae.config import DEFAULT_OBJECTIVE, RECONSTRUCTION_WEIGHT_FIELDS
+from zcvae.runs.rundir import VERDICT, atomic_write_json, read_json
+
+__all__ = [
+    "ALIGNED_NMI_RATIO",
+    "GOLD_COLLAPSED_NMI",
+    "LATE_DECISION_RECIPE",
+    "MERGE_MIN_SHARE",
+    "MIN_DISTINCT_OUTPUTS",
+    "MIN_MI_FRACTION",
+    "SPLIT_MIN_SHARE",
+    "VERDICT",
+    "gold_collapsed",
+    "gold_structure",
+    "judge",
+    "read_verdict",
+    "report_verdict",
+    "verdict_lines",
+    "write_verdict",
+]
+
+# ---- thresholds (one reason each)
+# z carries information when I(x,y; z) >= this x log K: the pilot's collapsed runs sit near 0 (KL < 1e-4
+# nats), and two strategies on two of K <= 16 latents still give log 2 / log K >= 0.25.
+MIN_MI_FRACTION = 0.1
+# The decoder ignores z when fewer decoded x than this change their output with z, whatever q says.
+MIN_DISTINCT_OUTPUTS = 0.05
+# Gold collapse: an NMI below this tells next to nothing about the strategy (issue 20's definition).
+GOLD_COLLAPSED_NMI = 0.1
+# Aligned with gold at nmi / nmi_reachable >= this, the target the README's tables are held to.
+ALIGNED_NMI_RATIO = 0.9
+# A latent holds a strategy when it has at least half of that strategy's q mass; two strategies held
+# by one latent are merged (a half is robust to the unreachable share, e.g. mul's b = 1 rows).
+MERGE_MIN_SHARE = 0.5
+# A strategy is split over the latents it is the majority of that each hold at least this share of it;
+# below it is the leak of soft posteriors and ambiguous rows, not a second home.
+SPLIT_MIN_SHARE = 0.1
+
+# What the verdict suggests for strategies that part late in y (README, "Late decisions").
+LATE_DECISION_RECIPE = "launch/configs/late-decisions.yaml"
+DISTINCT_OUTPUTS_KEY = "control/distinct_outputs"
+_GOLD_KEYS = ("nmi", "nmi_reachable", "nmi_ratio", "homogeneity", "completeness", "matching_accuracy",
+              "control/matching_accuracy")
+_USAGE_KEY = re.compile(r"^by_strategy/(.+)/latent_usage/(\d+)$")
+
+
+def _number(metrics: Mapping[str, Any], key: str) -> float | None:
+    """A finite float, or None (missing, null in metrics.jsonl, not a number)."""
+    value = metrics.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Gold structure: which strategies share a latent, which are spread over several
+# ----------------------------------------------------------------------------------------------
+
+
+def _strategy_usage(metrics: Mapping[str, Any]) -> dict[str, tuple[float, dict[int, float]]]:
+    """{strategy: (num_examples, {latent: mean q over its rows})} from the ``by_strategy/`` keys."""
+    usage: dict[str, dict[int, float]] = {}
+    for key in metrics:
+        match = _USAGE_KEY.match(key)
+        value = _number(metrics, key)
+        if match and value is not None:
+            usage.setdefault(match.group(1), {})[int(match.group(2))] = value
+    out = {}
+    for strategy, by_latent in usage.items():
+        count = _number(metrics, f"by_strategy/{strategy}/num_examples")
+        if count and count > 0:
+            out[strategy] = (count, by_latent)
+    return out
+
+
+def gold_structure(metrics: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Merged latents and split strategies of a discrete run with gold labels, or None without them.
+
+    ``merged``: [{"latent": k, "strategies": [...]}] for each latent holding >= MERGE_MIN_SHARE of two or
+    more strategies. ``split``: [{"strategy": s, "latents": [...]}] for each strategy that is the
+    majority (by soft counts num_examples x mean q) of two or more latents holding >= SPLIT_MIN_SHARE of it.
+    """
+    usage = _strategy_usage(metrics)
+    if not usage:
+        return None
+    latents = sorted({k for _, by_latent in usage.values() for k in by_latent})
+    holders: dict[int, list[str]] = {}
+    for strategy, (_, by_latent) in sorted(usage.items()):
+        for k, share in by_latent.items():
+            if share >= MERGE_MIN_SHARE:
+                holders.setdefault(k, []).append(strategy)
+    majority = {k: max(sorted(usage), key=lambda s: usage[s][0] * usage[s][1].get(k, 0.0)) for k in latents}
+    split = []
+    for strategy, (_, by_latent) in sorted(usage.items()):
+        homes = [k for k in latents if majority[k] == strategy and by_latent.get(k, 0.0) >= SPLIT_MIN_SHARE]
+        if len(homes) >= 2:
+            split.append({"strategy": strategy, "latents": homes})
+    merged = [{"latent": k, "strategies": held} for k, held in sorted(holders.items()) if len(held) >= 2]
+    return {"num_strategies": len(usage), "merged": merged, "split": split}
+
+
+def gold_collapsed(metrics: Mapping[str, Any]) -> bool | None:
+    """Collapsed by the gold labels (NMI < GOLD_COLLAPSED_NMI), or None when the run has no gold NMI."""
+    nmi = _number(metrics, "nmi")
+    return None if nmi is None else nmi < GOLD_COLLAPSED_NMI
+
+
+def _gold_status(metrics: Mapping[str, Any], structure: dict[str, Any] | None) -> str:
+    if gold_collapsed(metrics):
+        return "collapsed"
+    if structure is not None and structure["merged"]:
+        return "merged"
+    if structure is not None and structure["split"]:
+        return "split"
+    ratio = _number(metrics, "nmi_ratio")
+    ratio = _number(metrics, "nmi") if ratio is None else ratio
+    return "aligned" if ratio is not None and ratio >= ALIGNED_NMI_RATIO else "mixed"
+
+
+# ----------------------------------------------------------------------------------------------
+# Next steps
+# ----------------------------------------------------------------------------------------------
+
+
+def _raw_only(config: Mapping[str, Any]) -> bool:
+    """Whether the objective is the plain raw term (the collapse control)."""
+    weights = [config.get(f) for f in RECONSTRUCTION_WEIGHT_FIELDS]
+    if all(isinstance(w, (int, float)) for w in weights):
+        return weights[0] > 0 and not any(weights[1:])
+    return config.get("objective") == "raw"
+
+
+def _late_recipe(config: Mapping[str, Any]) -> bool:
+    """Whether the run already has the two parts of the late-decision recipe that no preset sets."""
+    return config.get("posterior_pooling") == "mean" and float(config.get("router_support_weight") or 0.0) > 0
+
+
+def _collapse_step(config: Mapping[str, Any], num_latents: int) -> str:
+    if num_latents < 2:
+        return "set --num-latents to the number of strategies in the data (z with one value carries nothing)"
+    if _raw_only(config):
+        return (f"the raw term alone lets z collapse (teacher forcing dilutes the few tokens z decides): train with "
+                f"the default objective, {DEFAULT_OBJECTIVE} (drop --objective raw and the weight flags)")
+    if not _late_recipe(config):
+        return (f"hold the KL at 0 longer and keep every latent in use: --config {LATE_DECISION_RECIPE} "
+                f"(sum mode, mean pooling, 60% KL delay, router support 1)")
+    return "the late-decision recipe is on already: train longer (--max-steps), with a larger batch, or another --seed"
+
+
+def _merge_step(config: Mapping[str, Any], num_latents: int, num_strategies: int | None) -> str:
+    if num_strategies is not None and num_strategies > num_latents:
+        return f"--num-latents {num_strategies}: the data has {num_strategies} strategies, and K = {num_latents} makes some share a latent"
+    if not _late_recipe(config):
+        return (f"strategies that share a latent usually part late in y, which the </y> state forgets: "
+                f"--config {LATE_DECISION_RECIPE} with --num-latents = the number of strategies")
+    return "the late-decision recipe is on already: check that K is the number of strategies, then try more --max-steps or another --seed"
+
+
+# ----------------------------------------------------------------------------------------------
+# The verdict
+# ----------------------------------------------------------------------------------------------
+
+
+def judge(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int | None = None,
+          source: str | None = None) -> dict[str, Any]:
+    """The verdict of one evaluation -> a JSON-ready dict.
+
+    ``metrics``: the flat final evaluation (``evaluate``'s return, or the last eval record of
+    ``metrics.jsonl``; nulls count as missing). ``config``: the run's resolved config as a dict
+    (``TrainConfig.to_dict()`` or ``run_config.json``'s ``config``). Keys: ``verdict`` (the one-line
+    string of the aggregate column), ``status`` (``collapsed``, ``in use`` or ``unknown``; label-free),
+    ``category`` (``collapsed`` or ``in use (K_eff of K)``), ``gold_status`` (None without labels),
+    ``information``, ``latents``, ``decoding``, ``gold``, ``next_step`` (None unless collapsed or
+    merged), ``reasons``, ``thresholds``, ``lines`` (what is printed), ``step``, ``source``.
+    Never raises on missing metrics: what is missing is said so.
+    """
+    discrete = config.get("latent_type", "discrete") == "discrete"
+    num_latents = int(config.get("num_latents") or 1) if discrete else int(config.get("latent_dim") or 0)
+    kl, mi = _number(metrics, "kl"), _number(metrics, "mi")
+    distinct = _number(metrics, DISTINCT_OUTPUTS_KEY) if discrete else None
+    reasons: list[str] = []
+    information: dict[str, Any] = {"kl": kl}
+    latents: dict[str, Any] = {"latent_type": "discrete" if discrete else "continuous", "num_latents": num_latents}
+
+    if discrete:
+        log_k = math.log(num_latents) if num_latents > 1 else 0.0
+        fraction = mi / log_k if mi is not None and log_k > 0 else None
+        information.update(mi=mi, log_num_latents=log_k, mi_fraction=fraction)
+        used, k_eff = _number(metrics, "num_used_latents"), _number(metrics, "router_support")
+        latents.update(num_used_latents=used, effective_num_latents=k_eff)
+        if num_latents < 2:
+            status = "collapsed"
+            reasons.append("K = 1: z takes one value and carries no information")
+        elif fraction is None:
+            status = "unknown"
+            reasons.append("the evaluation has no MI (mi): cannot tell whether z carries information")
+        elif fraction < MIN_MI_FRACTION:
+            status = "collapsed"
+            reasons.append(f"MI {_fmt(mi)} nats is {fraction:.2g} x log K, below {MIN_MI_FRACTION}: q(z|x,y) is the same for every example")
+        elif distinct is not None and distinct < MIN_DISTINCT_OUTPUTS:
+            status = "collapsed"
+            reasons.append(f"decoding differs across z on {distinct:.0%} of x (< {MIN_DISTINCT_OUTPUTS:.0%}): the decoder ignores z")
+        else:
+            status = "in use"
+        shown = k_eff if k_eff is not None else used  # K_eff, else the count
+        category = f"in use ({'-' if shown is None else f'{shown:.1f}'} of {num_latents})" if status == "in use" else status
+    else:
+        active = _number(metrics, "active_units")
+        information.update(kl_to_standard_normal=_number(metrics, "kl_to_standard_normal"))
+        latents.update(active_units=active)
+        if active is None:
+            status = "unknown"
+            reasons.append("the evaluation has no active_units: cannot tell whether z carries information")
+        elif active < 1:
+            status = "collapsed"
+            reasons.append("no active unit: the posterior mean does not vary across examples in any dimension")
+        else:
+            status = "in use"
+        category = status if status != "in use" else f"in use ({active:g} of {num_latents})"
+    information["carries_information"] = None if status == "unknown" else status == "in use"
+
+    decoding = {"distinct_outputs": distinct, "num_decoded_examples": _number(metrics, "decode/num_examples"),
+                "exact_match": _number(metrics, "exact_match")}
+
+    gold = None
+    gold_status = None
+    structure = None
+    if _number(metrics, "nmi") is not None:
+        structure = gold_structure(metrics) if discrete else None
+        gold = {key: _number(metrics, key) for key in _GOLD_KEYS if _number(metrics, key) is not None}
+        if structure is not None:
+            gold.update(structure)
+        gold_status = _gold_status(metrics, structure)
+
+    next_step = None
+    if status == "collapsed" or gold_status == "collapsed":
+        next_step = _collapse_step(config, num_latents if discrete else 2)
+    elif discrete and gold_status in ("merged", "mixed"):
+        next_step = _merge_step(config, num_latents, structure and structure["num_strategies"])
+    elif discrete and gold_status is None and status == "in use":
+        used = latents["num_used_latents"]
+        if used is not None and used < num_latents and not _late_recipe(config):
+            next_step = (f"{used:g} of {num_latents} latents in use: if the data has {num_latents} strategies, some share a latent; "
+                         f"for strategies that part late in y try --config {LATE_DECISION_RECIPE}; if it has {used:g}, nothing to do")
+
+    verdict_text = category if gold_status is None or gold_status == status else f"{category}; gold: {gold_status}"
+    out: dict[str, Any] = {
+        "verdict": verdict_text,
+        "status": status,
+        "category": category,
+        "gold_status": gold_status,
+        "information": information,
+        "latents": latents,
+        "decoding": decoding,
+        "gold": gold,
+        "next_step": next_step,
+        "reasons": reasons,
+        "thresholds": {"min_mi_fraction": MIN_MI_FRACTION, "min_distinct_outputs": MIN_DISTINCT_OUTPUTS,
+                       "gold_collapsed_nmi": GOLD_COLLAPSED_NMI, "aligned_nmi_ratio": ALIGNED_NMI_RATIO,
+                       "merge_min_share": MERGE_MIN_SHARE, "split_min_share": SPLIT_MIN_SHARE},
+        "step": step,
+        "source": source,
+    }
+    out["lines"] = verdict_lines(out)
+    return out
+
+
+def verdict_lines(verdict: Mapping[str, Any]) -> list[str]:
+    """The verdict as a few lines for a person (``zcvae train`` and ``zcvae evaluate`` print them)."""
+    info, lat, dec = verdict["information"], verdict["latents"], verdict["decoding"]
+    lines = [f"[verdict] {verdict['verdict']}"]
+    if lat["latent_type"] == "discrete":
+        mi, fraction = info.get("mi"), info.get("mi_fraction")
+        if mi is None:
+            lines.append("  information: no MI measured")
+        else:
+            share = "" if fraction is None else f" = {fraction:.2f} x log K ({info['log_num_latents']:.3g})"
+            lines.append(f"  information: MI {_fmt(mi)} nats{share}; KL(q||p) {_fmt(info['kl'])} nats")
+        used, k_eff = lat.get("num_used_latents"), lat.get("effective_num_latents")
+        lines.append(f"  latents: {_fmt(used)} of {lat['num_latents']} in use, effective number {_fmt(k_eff)} (exp H(mean q))")
+    else:
+        lines.append(f"  information: {_fmt(lat.get('active_units'))} of {lat['num_latents']} active units; "
+                     f"KL(q||p) {_fmt(info['kl'])} nats")
+    if dec["distinct_outputs"] is not None:
+        lines.append(f"  decoding: differs across z on {dec['distinct_outputs']:.0%} of {_fmt(dec['num_decoded_examples'])} "
+                     f"decoded x; exact match {_fmt(dec['exact_match'])}")
+    elif dec["exact_match"] is not None:
+        lines.append(f"  decoding: exact match {_fmt(dec['exact_match'])} (not decoded with every z)")
+    for reason in verdict["reasons"]:
+        lines.append(f"  why: {reason}")
+    gold = verdict.get("gold")
+    if gold:
+        parts = [f"{key} {_fmt(gold[key])}" for key in ("nmi", "nmi_reachable", "nmi_ratio", "homogeneity", "completeness") if key in gold]
+        if verdict["gold_status"] != "collapsed":  # under collapse every latent holds every strategy: no news
+            parts += [f"{'+'.join(m['strategies'])} share latent {m['latent']}" for m in gold.get("merged", [])]
+            parts += [f"{s['strategy']} spread over latents {', '.join(map(str, s['latents']))}" for s in gold.get("split", [])]
+        lines.append(f"  gold: {verdict['gold_status']}: " + ", ".join(parts))
+    if verdict.get("next_step"):
+        lines.append(f"  next step: {verdict['next_step']}")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------
+
+
+def write_verdict(directory: str | Path, verdict: Mapping[str, Any]) -> Path:
+    """Write ``directory/verdict.json`` atomically; returns its path."""
+    path = Path(directory) / VERDICT
+    atomic_write_json(path, dict(verdict))
+    return path
+
+
+def read_verdict(directory: str | Path) -> dict[str, Any] | None:
+    """``directory/verdict.json``, or None when it is missing or unreadable (a reader then recomputes it)."""
+    path = Path(directory) / VERDICT
+    if not path.is_file():
+        return None
+    try:
+        verdict = read_json(path, what="verdict")
+    except ValueError:
+        return None
+    return verdict if isinstance(verdict, dict) and isinstance(verdict.get("verdict"), str) else None
+
+
+def report_verdict(directory: str | Path | None, metrics: Mapping[str, Any], config: Mapping[str, Any], *,
+                   step: int | None, source: str, log: Callable[[str], Any] | None = print) -> dict[str, Any]:
+    """Judge, write ``verdict.json`` into ``directory`` (None: no file) and ``log`` each line."""
+    verdict = judge(metrics, config, step=step, source=source)
+    if directory is not None:
+        write_verdict(directory, verdict)
+    if log is not None:
+        for line in verdict["lines"]:
+            log(line)
+    return verdict

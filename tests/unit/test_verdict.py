@@ -1,0 +1,244 @@
+"""Tests for zcvae.eval.verdict: the end-of-run verdict on hand-built runs (collapsed, merged, split,
+healthy; with and without gold labels), its next steps, and verdict.json.
+
+Each hand-built run is a set of posteriors q(z|x,y) and greedy decodes per latent, turned into the flat
+metrics by the evaluation's own ``summarize`` (the numbers the trainer logs), then judged."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from zcvae.config import DEFAULT_OBJECTIVE, TrainConfig
+from zcvae.eval.evaluation import summarize
+from zcvae.eval.verdict import (
+    LATE_DECISION_RECIPE,
+    MIN_DISTINCT_OUTPUTS,
+    MIN_MI_FRACTION,
+    VERDICT,
+    gold_collapsed,
+    judge,
+    read_verdict,
+    report_verdict,
+)
+
+
+class _Tok:
+    def decode(self, ids):
+        return " ".join(str(i) for i in ids)
+
+
+def _config(**overrides):
+    """A resolved config as run_config.json holds it (the default objective unless overridden)."""
+    values = {"objective": DEFAULT_OBJECTIVE, "num_latents": 2, **overrides}
+    return TrainConfig.from_dict(values).to_dict()
+
+
+def _run_metrics(rows, *, num_latents, labelled=True, outputs=None, num_decoded=None):
+    """Flat evaluation metrics of a hand-built run.
+
+    ``rows``: [(gold strategy, q row)], one per validation example (x_i = (i,), y_i = (100 + i,)).
+    ``outputs(i, k)``: the token ids decoded for example i under latent k (default: the latent's own
+    strategy, so decoding differs across z); the first ``num_decoded`` examples are decoded with every z.
+    """
+    cfg = SimpleNamespace(latent_type="discrete", num_latents=num_latents, seed=0, posterior_entropy_weight=0.0,
+                          router_support_weight=0.0, router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0,
+                          posterior_variance_weight=0.0)
+    val, records = [], []
+    for i, (strategy, q) in enumerate(rows):
+        gold = strategy if labelled else None
+        val.append(SimpleNamespace(id=f"e{i}", x_ids=(i,), y_ids=(100 + i, 7), strategy=gold))
+        terms = {"loss": 1.0, "kl": 0.0, "num_tokens": 3.0, "num_tokens_min": 3.0, "num_tokens_max": 3.0, "valid": 1.0}
+        records.append({"index": i, "strategy": gold, "terms": terms, "q": list(q), "p": [1.0 / num_latents] * num_latents,
+                        "cond_nll": [1.0, 0.5, 0.1], "ref_nll": [1.5, 0.5, 0.1]})
+    outputs = outputs or (lambda i, k: [200 + k, 7])
+    decodes = [{"index": i, "latent": k, "generated": outputs(i, k), "closed": True}
+               for i in range(num_decoded or len(rows)) for k in range(num_latents)]
+    scalars, _ = summarize(records, decodes, cfg=cfg, val=val, task=None, tokenizer=_Tok(), c_base=1.0, num_decode_steps=4)
+    return scalars
+
+
+def _sharp(k, num_latents, mass=0.99):
+    rest = (1 - mass) / (num_latents - 1)
+    return [mass if j == k else rest for j in range(num_latents)]
+
+
+def _healthy(labelled=True):
+    # two strategies, one latent each
+    rows = [("fwd", _sharp(0, 2))] * 6 + [("rev", _sharp(1, 2))] * 6
+    return _run_metrics(rows, num_latents=2, labelled=labelled)
+
+
+def _merged(labelled=True):
+    # sort3: count and descending share latent 1, latent 2 unused
+    rows = [("ascending", _sharp(0, 3))] * 6 + [("count", _sharp(1, 3))] * 6 + [("descending", _sharp(1, 3))] * 6
+    return _run_metrics(rows, num_latents=3, labelled=labelled)
+
+
+def _collapsed(labelled=True):
+    # q the same for every example, and every latent decodes the same y
+    rows = [("fwd", [0.5, 0.5])] * 6 + [("rev", [0.5, 0.5])] * 6
+    return _run_metrics(rows, num_latents=2, labelled=labelled, outputs=lambda i, k: [300 + i, 7])
+
+
+# ---------------------------------------------------------------- without gold labels
+
+
+def test_healthy_run_without_labels_is_in_use_with_its_effective_number():
+    metrics = _healthy(labelled=False)
+    assert "nmi" not in metrics and metrics["control/distinct_outputs"] == 1.0
+    verdict = judge(metrics, _config())
+    assert verdict["status"] == "in use" and verdict["category"] == "in use (2.0 of 2)"
+    assert verdict["verdict"] == "in use (2.0 of 2)" and verdict["gold"] is None and verdict["gold_status"] is None
+    assert verdict["information"]["carries_information"] is True
+    assert verdict["information"]["mi_fraction"] == pytest.approx(metrics["mi"] / math.log(2))
+    assert verdict["latents"]["num_used_latents"] == 2
+    assert verdict["latents"]["effective_num_latents"] == pytest.approx(metrics["router_support"])
+    assert verdict["decoding"]["distinct_outputs"] == 1.0 and verdict["decoding"]["num_decoded_examples"] == 12
+    assert verdict["next_step"] is None
+    assert verdict["lines"][0] == "[verdict] in use (2.0 of 2)"
+    assert any("differs across z on 100% of 12" in line for line in verdict["lines"])
+
+
+def test_collapsed_raw_run_without_labels_suggests_the_default_objective():
+    metrics = _collapsed(labelled=False)
+    assert metrics["mi"] < 1e-9 and metrics["control/distinct_outputs"] == 0.0
+    verdict = judge(metrics, _config(objective="raw"))
+    assert verdict["status"] == "collapsed" and verdict["verdict"] == "collapsed"
+    assert verdict["information"]["carries_information"] is False
+    assert f"below {MIN_MI_FRACTION}" in verdict["reasons"][0]
+    assert DEFAULT_OBJECTIVE in verdict["next_step"] and "--objective raw" in verdict["next_step"]
+    # the same collapse under the default objective points at the late-decision recipe instead
+    assert LATE_DECISION_RECIPE in judge(metrics, _config())["next_step"]
+    # and with the recipe on already, at more steps
+    recipe = _config(posterior_pooling="mean", router_support_weight=1.0, reconstruction_loss_token_aggregation_mode="sum")
+    assert "--max-steps" in judge(metrics, recipe)["next_step"]
+
+
+def test_merged_run_without_labels_is_in_use_with_a_hedged_next_step():
+    metrics = _merged(labelled=False)
+    verdict = judge(metrics, _config(num_latents=3))
+    # a merge cannot be told from a spare latent: in use, 2 of 3, and no "merged"
+    assert verdict["status"] == "in use" and "merged" not in verdict["verdict"]
+    assert verdict["latents"]["num_used_latents"] == 2
+    k_eff = metrics["router_support"]
+    assert 1.8 < k_eff < 2.0 and verdict["verdict"] == f"in use ({k_eff:.1f} of 3)"
+    assert verdict["next_step"].startswith("2 of 3 latents in use") and LATE_DECISION_RECIPE in verdict["next_step"]
+
+
+def test_decoder_that_ignores_z_counts_as_collapsed_even_when_q_separates():
+    rows = [("fwd", _sharp(0, 2))] * 6 + [("rev", _sharp(1, 2))] * 6
+    metrics = _run_metrics(rows, num_latents=2, labelled=False, outputs=lambda i, k: [300 + i, 7])
+    assert metrics["mi"] > 0.5 and metrics["control/distinct_outputs"] == 0.0
+    verdict = judge(metrics, _config())
+    assert verdict["status"] == "collapsed" and "ignores z" in verdict["reasons"][0]
+    # a run from before control/distinct_outputs existed is judged on MI alone
+    older = {k: v for k, v in metrics.items() if k != "control/distinct_outputs"}
+    assert judge(older, _config())["status"] == "in use"
+
+
+def test_distinct_outputs_threshold_is_a_fraction_of_x():
+    rows = [("fwd", _sharp(0, 2))] * 10 + [("rev", _sharp(1, 2))] * 10
+    # z changes the output of 1 x in 20 (5%): at the threshold, not below it
+    metrics = _run_metrics(rows, num_latents=2, labelled=False,
+                           outputs=lambda i, k: [200 + k, 7] if i == 0 else [300 + i, 7])
+    assert metrics["control/distinct_outputs"] == pytest.approx(MIN_DISTINCT_OUTPUTS)
+    assert judge(metrics, _config())["status"] == "in use"
+
+
+def test_k1_and_missing_metrics():
+    k1 = judge({"mi": 0.0, "kl": 0.0, "num_used_latents": 1.0, "router_support": 1.0}, _config(num_latents=1))
+    assert k1["status"] == "collapsed" and "--num-latents" in k1["next_step"]
+    unknown = judge({"kl": 0.3, "mi": None}, _config())
+    assert unknown["status"] == "unknown" and unknown["information"]["carries_information"] is None
+    assert "no MI" in unknown["reasons"][0]
+
+
+# ---------------------------------------------------------------- with gold labels
+
+
+def test_healthy_run_with_labels_is_aligned():
+    metrics = _healthy()
+    verdict = judge(metrics, _config())
+    assert verdict["gold_status"] == "aligned" and verdict["verdict"] == "in use (2.0 of 2); gold: aligned"
+    assert verdict["gold"]["nmi"] == pytest.approx(1.0) and verdict["gold"]["merged"] == [] and verdict["gold"]["split"] == []
+    assert verdict["next_step"] is None
+    assert gold_collapsed(metrics) is False
+
+
+def test_merged_run_with_labels_names_the_pair_and_the_recipe():
+    metrics = _merged()
+    verdict = judge(metrics, _config(num_latents=3))
+    assert verdict["gold_status"] == "merged" and verdict["verdict"].endswith("; gold: merged")
+    assert verdict["gold"]["merged"] == [{"latent": 1, "strategies": ["count", "descending"]}]
+    assert verdict["gold"]["num_strategies"] == 3
+    assert LATE_DECISION_RECIPE in verdict["next_step"]
+    assert any("count+descending share latent 1" in line for line in verdict["lines"])
+    # fewer latents than strategies: the merge is forced, and K is what to change
+    rows = [("a", _sharp(0, 2))] * 4 + [("b", _sharp(1, 2))] * 4 + [("c", _sharp(1, 2))] * 4
+    forced = judge(_run_metrics(rows, num_latents=2), _config())
+    assert forced["gold_status"] == "merged" and forced["next_step"].startswith("--num-latents 3")
+
+
+def test_split_run_with_labels_is_not_a_merge_and_needs_no_next_step():
+    # copy with K = 3: rev spread evenly over latents 1 and 2, each latent pure
+    rows = [("fwd", _sharp(0, 3))] * 8 + [("rev", _sharp(1, 3))] * 4 + [("rev", _sharp(2, 3))] * 4
+    metrics = _run_metrics(rows, num_latents=3)
+    assert metrics["homogeneity"] == pytest.approx(1.0) and metrics["nmi"] < 0.9
+    verdict = judge(metrics, _config(num_latents=3))
+    assert verdict["gold_status"] == "split" and verdict["gold"]["split"] == [{"strategy": "rev", "latents": [1, 2]}]
+    assert verdict["gold"]["merged"] == [] and verdict["next_step"] is None
+
+
+def test_collapsed_run_with_labels_agrees_with_gold():
+    metrics = _collapsed()
+    verdict = judge(metrics, _config(objective="raw"))
+    assert metrics["nmi"] < 0.1 and gold_collapsed(metrics) is True
+    assert verdict["status"] == "collapsed" and verdict["gold_status"] == "collapsed" and verdict["verdict"] == "collapsed"
+    assert DEFAULT_OBJECTIVE in verdict["next_step"]
+
+
+def test_unaligned_latent_is_mixed_and_soft_leak_is_not_a_split():
+    # each strategy mostly in its own latent but far from clean: no merge, no split, nmi_ratio < 0.9
+    rows = ([("a", _sharp(0, 2))] * 9 + [("a", _sharp(1, 2))] * 1 + [("b", _sharp(1, 2))] * 7 + [("b", _sharp(0, 2))] * 3)
+    metrics = _run_metrics(rows, num_latents=2)
+    assert 0.1 < metrics["nmi"] < 0.9
+    verdict = judge(metrics, _config())
+    assert verdict["gold_status"] == "mixed" and verdict["gold"]["split"] == [] and verdict["gold"]["merged"] == []
+    assert LATE_DECISION_RECIPE in verdict["next_step"]
+
+
+def test_gold_without_per_strategy_usage_falls_back_on_nmi_ratio():
+    metrics = {"mi": 0.69, "kl": 0.69, "num_used_latents": 2.0, "router_support": 2.0, "nmi": 0.95, "nmi_ratio": 0.95}
+    assert judge(metrics, _config())["gold_status"] == "aligned"
+    assert judge({**metrics, "nmi_ratio": 0.5}, _config())["gold_status"] == "mixed"
+
+
+def test_gaussian_latent_is_judged_by_active_units():
+    config = _config(latent_type="continuous", latent_dim=8)
+    used = judge({"active_units": 3.0, "kl": 1.2, "nmi": 0.97, "nmi_ratio": 0.97}, config)
+    assert used["verdict"] == "in use (3 of 8); gold: aligned" and used["decoding"]["distinct_outputs"] is None
+    dead = judge({"active_units": 0.0, "kl": 1e-5, "nmi": 0.0}, config)
+    assert dead["status"] == "collapsed" and dead["verdict"] == "collapsed" and dead["next_step"]
+
+
+# ---------------------------------------------------------------- verdict.json
+
+
+def test_report_verdict_writes_json_and_logs_every_line(tmp_path):
+    logged = []
+    metrics = {**_merged(), "some_nan": float("nan"), "kl": None}
+    verdict = report_verdict(tmp_path, metrics, _config(num_latents=3), step=300, source="train", log=logged.append)
+    assert logged == verdict["lines"] and logged[0].startswith("[verdict] in use")
+    text = (tmp_path / VERDICT).read_text()
+    assert VERDICT == "verdict.json" and "NaN" not in text
+    on_disk = json.loads(text)
+    assert on_disk == read_verdict(tmp_path)
+    assert on_disk["verdict"] == verdict["verdict"] and on_disk["step"] == 300 and on_disk["source"] == "train"
+    assert on_disk["thresholds"]["min_mi_fraction"] == MIN_MI_FRACTION
+    # a missing or broken file reads as None (a reader then recomputes it)
+    (tmp_path / VERDICT).write_text("{not json")
+    assert read_verdict(tmp_path) is None and read_verdict(tmp_path / "absent") is None
