@@ -217,3 +217,31 @@ def test_default_table_shows_reachable_nmi_and_ratio(tmp_path):
     assert rows[0]["nmi_reachable"].mean == 0.8 and rows[0]["nmi_ratio"].mean == 0.75
     header = format_table(rows).splitlines()[0]
     assert "| nmi | nmi_reachable | nmi_ratio |" in header
+
+
+def test_table_shows_each_runs_verdict(tmp_path):
+    from zcvae.eval.verdict import judge, report_verdict
+
+    collapsed = {"nmi": 0.0, "mi": 1e-6, "kl": 1e-5, "num_used_latents": 2.0, "router_support": 2.0}
+    healthy = {"nmi": 1.0, "nmi_ratio": 1.0, "mi": 0.68, "kl": 0.69, "num_used_latents": 2.0, "router_support": 2.0}
+    # seed 0 wrote its verdict.json at the end of training; seed 1 ran before verdicts existed (recomputed)
+    written = write_run(tmp_path, "s0", records=history(healthy), seed=0, run_name="x-seed0")
+    report_verdict(written, {**healthy, "loss": 1.0}, {**BASE_CONFIG, "seed": 0}, step=300, source="train", log=None)
+    older = write_run(tmp_path, "s1", records=history(collapsed), seed=1, run_name="x-seed1")
+    fresh = write_run(tmp_path, "fresh", records=[{"step": 1, "split": "train", "loss": 5.0}], run_name="fresh", kl_weight=2.0)
+    assert load_run(written).verdict == "in use (2.0 of 2); gold: aligned"
+    assert load_run(older).verdict == judge({**collapsed, "loss": 1.0}, BASE_CONFIG)["verdict"] == "collapsed"
+    assert load_run(fresh).verdict is None
+
+    rows = aggregate_runs([written, older, fresh])
+    assert rows[0]["n"] == 2 and rows[0]["verdict"] == "in use (2.0 of 2); gold: aligned / collapsed"
+    assert rows[1]["verdict"] == "-"
+    lines = format_table(rows).splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    column = header.index("verdict")
+    assert [[c.strip() for c in line.strip("|").split("|")][column] for line in lines[2:]] == [rows[0]["verdict"], "-"]
+    parsed = list(csv.DictReader(io.StringIO(format_table(rows, fmt="csv"))))
+    assert [r["verdict"] for r in parsed] == [rows[0]["verdict"], "-"]
+    # seeds that agree show one verdict
+    again = write_run(tmp_path, "s2", records=history(collapsed), seed=2, run_name="x-seed2")
+    assert aggregate_runs([older, again])[0]["verdict"] == "collapsed"

@@ -5,7 +5,8 @@ Each run directory holds ``run_config.json`` (``{"config": {...flat resolved con
 ``split`` and metric keys). A row shows what distinguishes the objective -- latent type, token
 aggregation mode (the seed notes require it in every aggregate table), the nonzero
 reconstruction-term weights and the objective preset they came from, alpha, beta and the KL schedule --
-and the final evaluation metrics.
+the end-of-run verdict (``verdict.json``, or for a run without one the same verdict recomputed from its
+final evaluation; ``zcvae.eval.verdict``) and the final evaluation metrics.
 
     zcvae aggregate runs/*                          # Markdown table, seeds grouped as mean ± std
     zcvae aggregate runs/* --format csv > table.csv
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zcvae.config import RECONSTRUCTION_WEIGHT_FIELDS
+from zcvae.eval.verdict import judge, read_verdict
 from zcvae.runs.naming import ABBREVIATIONS
 
 __all__ = [
@@ -85,6 +87,8 @@ class RunSummary:
     git_revision: Any = None
     kl_weight_factor: Any = None
     """The resolved multiplier of beta recorded in run_config.json (kl-weight-scale tokens), if any."""
+    verdict: str | None = None
+    """The run's end-of-run verdict string (None without an evaluation)."""
 
     @property
     def name(self) -> str:
@@ -160,6 +164,11 @@ def load_run(run_dir: str | os.PathLike) -> RunSummary:
             raise RunLoadError(f"{metrics_path}: cannot read ({exc})") from exc
 
     final_eval, final_step = _final_eval(records)
+    written = read_verdict(run_dir)
+    if written is not None:
+        verdict = written["verdict"]
+    else:  # a run from before verdict.json: the same judgement of its final evaluation
+        verdict = judge(final_eval, run_config["config"])["verdict"] if final_eval else None
     return RunSummary(
         run_dir=run_dir,
         config=dict(run_config["config"]),
@@ -169,6 +178,7 @@ def load_run(run_dir: str | os.PathLike) -> RunSummary:
         versions=run_config.get("versions"),
         git_revision=run_config.get("git_revision"),
         kl_weight_factor=run_config.get("kl_weight_factor"),
+        verdict=verdict,
     )
 
 
@@ -311,7 +321,8 @@ def aggregate_runs(
 
     Row keys: ``name``, ``latent``, ``mode``, ``objective``, ``recon``, ``alpha``, ``beta`` (config values
     or "-"), ``kl_schedule`` (the schedule and, under kl-weight-scale tokens, beta's factor),
-    ``n`` (runs in the row), ``seeds`` (list), ``run_dirs`` (list), and one key per metric holding a
+    ``n`` (runs in the row), ``seeds`` (list), ``run_dirs`` (list), ``verdict`` (the runs' verdict, one
+    string when every seed has the same, else each seed's joined by " / "), and one key per metric holding a
     ``Stat`` over the runs that report it (None when none does). A run directory listed twice counts once.
     With ``skip_bad`` an unreadable run is reported through ``warn(message)`` (default: stderr) and
     left out; otherwise its RunLoadError propagates.
@@ -354,6 +365,7 @@ def aggregate_runs(
             "n": len(members),
             "seeds": [m.seed for m in members],
             "run_dirs": [m.run_dir for m in members],
+            "verdict": _verdict_cell([m.verdict for m in members]),
         }
         for metric in metric_names:
             values = []
@@ -371,8 +383,14 @@ def aggregate_runs(
 # ----------------------------------------------------------------------------------------------
 
 
+def _verdict_cell(verdicts: Sequence[str | None]) -> str:
+    """One verdict when the seeds agree, else each seed's in order (``-`` for a run without one)."""
+    shown = [v or MISSING for v in verdicts]
+    return shown[0] if len(set(shown)) == 1 else " / ".join(shown)
+
+
 def _metric_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
-    fixed = set(_IDENTITY_COLUMNS) | {"n", "seeds", "run_dirs"}
+    fixed = set(_IDENTITY_COLUMNS) | {"n", "seeds", "run_dirs", "verdict"}
     columns: list[str] = []
     for row in rows:
         for key in row:
@@ -397,11 +415,11 @@ def format_table(rows: Sequence[dict[str, Any]], fmt: str = "markdown") -> str:
         raise ValueError(f'fmt: expected "markdown" or "csv", got {fmt!r}')
     metrics = _metric_columns(rows)
     if fmt == "markdown":
-        header = [*_IDENTITY_COLUMNS, "n", "seeds", *metrics]
+        header = [*_IDENTITY_COLUMNS, "n", "seeds", "verdict", *metrics]
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         for row in rows:
             cells = [_format_number(row.get(c, MISSING)) for c in _IDENTITY_COLUMNS]
-            cells += [str(row.get("n", 1)), _seeds_cell(row.get("seeds", []))]
+            cells += [str(row.get("n", 1)), _seeds_cell(row.get("seeds", [])), str(row.get("verdict", MISSING))]
             for metric in metrics:
                 stat = row.get(metric)
                 cells.append(stat.format(row.get("n", 1)) if isinstance(stat, Stat) else MISSING)
@@ -410,13 +428,13 @@ def format_table(rows: Sequence[dict[str, Any]], fmt: str = "markdown") -> str:
 
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    header = [*_IDENTITY_COLUMNS, "n", "seeds"]
+    header = [*_IDENTITY_COLUMNS, "n", "seeds", "verdict"]
     for metric in metrics:
         header += [metric, f"{metric}_std"]
     writer.writerow(header)
     for row in rows:
         cells = [row.get(c, MISSING) for c in _IDENTITY_COLUMNS]
-        cells += [row.get("n", 1), _seeds_cell(row.get("seeds", []))]
+        cells += [row.get("n", 1), _seeds_cell(row.get("seeds", [])), row.get("verdict", MISSING)]
         for metric in metrics:
             stat = row.get(metric)
             if isinstance(stat, Stat):
