@@ -217,6 +217,8 @@ def test_default_table_shows_reachable_nmi_and_ratio(tmp_path):
     assert rows[0]["nmi_reachable"].mean == 0.8 and rows[0]["nmi_ratio"].mean == 0.75
     header = format_table(rows).splitlines()[0]
     assert "| nmi | nmi_reachable | nmi_ratio |" in header
+    # issue 20, item 2: spare latents are judged by how many are in use and whether each holds one strategy
+    assert "| homogeneity |" in header and "| num_used_latents |" in header
 
 
 def test_table_shows_each_runs_verdict(tmp_path):

@@ -175,6 +175,8 @@ def test_merged_run_with_labels_names_the_pair_and_the_recipe():
     assert verdict["gold_status"] == "merged" and verdict["verdict"].endswith("; gold: merged")
     assert verdict["gold"]["merged"] == [{"latent": 1, "strategies": ["count", "descending"]}]
     assert verdict["gold"]["num_strategies"] == 3
+    assert verdict["gold"]["latents_in_use"] == [0, 1] and verdict["gold"]["unused_latents"] == [2]
+    assert verdict["gold"]["latent_purity"]["1"] == pytest.approx(0.5, abs=0.01) and verdict["gold"]["pure"] is False
     assert LATE_DECISION_RECIPE in verdict["next_step"]
     assert any("count+descending share latent 1" in line for line in verdict["lines"])
     # fewer latents than strategies: the merge is forced, and K is what to change
@@ -191,6 +193,25 @@ def test_split_run_with_labels_is_not_a_merge_and_needs_no_next_step():
     verdict = judge(metrics, _config(num_latents=3))
     assert verdict["gold_status"] == "split" and verdict["gold"]["split"] == [{"strategy": "rev", "latents": [1, 2]}]
     assert verdict["gold"]["merged"] == [] and verdict["next_step"] is None
+    # every latent in use holds one strategy: the clean split that spare latents are allowed (issue 20, item 2)
+    assert verdict["gold"]["pure"] is True and verdict["verdict"] == "in use (2.8 of 3); gold: split (pure)"
+    assert verdict["gold"]["unused_latents"] == [] and min(verdict["gold"]["latent_purity"].values()) > 0.98
+
+
+def test_spare_latents_unused_or_split_impurely_are_told_apart():
+    # K = 4 for two strategies: the spare latents 2 and 3 stay unused
+    rows = [("fwd", _sharp(0, 4))] * 8 + [("rev", _sharp(1, 4))] * 8
+    spare = judge(_run_metrics(rows, num_latents=4), _config(num_latents=4))
+    assert spare["gold_status"] == "aligned" and spare["gold"]["unused_latents"] == [2, 3] and spare["gold"]["pure"] is True
+    assert spare["latents"]["num_used_latents"] == 2 and spare["next_step"] is None
+    assert any("unused latents 2, 3" in line for line in spare["lines"])
+    # rev split over latents 1 and 2, but latent 2 also takes a share of fwd: not pure
+    rows = [("fwd", _sharp(0, 4))] * 8 + [("fwd", _sharp(2, 4))] * 2 + [("rev", _sharp(1, 4))] * 5 + [("rev", _sharp(2, 4))] * 5
+    metrics = _run_metrics(rows, num_latents=4)
+    impure = judge(metrics, _config(num_latents=4))
+    assert metrics["homogeneity"] < 0.95
+    assert impure["gold"]["split"] == [{"strategy": "rev", "latents": [1, 2]}] and impure["verdict"].endswith("gold: split (impure)")
+    assert impure["gold"]["latent_purity"]["2"] == pytest.approx(5 / 7, abs=0.01)
 
 
 def test_collapsed_run_with_labels_agrees_with_gold():

@@ -50,8 +50,10 @@ DEFAULT_METRICS: tuple[str, ...] = (
     "nmi",
     "nmi_reachable",  # the best NMI any encoder of (x, y) can reach on this validation set
     "nmi_ratio",  # nmi / nmi_reachable
+    "homogeneity",  # every latent in use holds one strategy (1.0); spare latents may split one cleanly
     "mi",
     "router_support",
+    "num_used_latents",  # latents with more than 1% of the q mass
     "kl",
     "control/matching_accuracy",
     "exact_match",

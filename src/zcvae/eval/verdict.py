@@ -43,7 +43,9 @@ __all__ = [
     "MERGE_MIN_SHARE",
     "MIN_DISTINCT_OUTPUTS",
     "MIN_MI_FRACTION",
+    "PURE_HOMOGENEITY",
     "SPLIT_MIN_SHARE",
+    "USED_SHARE",
     "VERDICT",
     "gold_collapsed",
     "gold_structure",
@@ -70,6 +72,11 @@ MERGE_MIN_SHARE = 0.5
 # A strategy is split over the latents it is the majority of that each hold at least this share of it;
 # below it is the leak of soft posteriors and ambiguous rows, not a second home.
 SPLIT_MIN_SHARE = 0.1
+# Spare latents are fine when every latent in use holds one strategy: homogeneity >= this (issue 20's bar
+# for K = 2 x the number of strategies).
+PURE_HOMOGENEITY = 0.95
+# A latent is in use when it gets more than this share of all q mass (num_used_latents' own threshold).
+USED_SHARE = 0.01
 
 # What the verdict suggests for strategies that part late in y (README, "Late decisions").
 LATE_DECISION_RECIPE = "launch/configs/late-decisions.yaml"
@@ -119,6 +126,8 @@ def gold_structure(metrics: Mapping[str, Any]) -> dict[str, Any] | None:
     ``merged``: [{"latent": k, "strategies": [...]}] for each latent holding >= MERGE_MIN_SHARE of two or
     more strategies. ``split``: [{"strategy": s, "latents": [...]}] for each strategy that is the
     majority (by soft counts num_examples x mean q) of two or more latents holding >= SPLIT_MIN_SHARE of it.
+    ``latents_in_use`` / ``unused_latents``: latents above / at most USED_SHARE of the labelled rows' q
+    mass; ``latent_purity``: {latent: share of its mass from its majority strategy} for those in use.
     """
     usage = _strategy_usage(metrics)
     if not usage:
@@ -136,7 +145,12 @@ def gold_structure(metrics: Mapping[str, Any]) -> dict[str, Any] | None:
         if len(homes) >= 2:
             split.append({"strategy": strategy, "latents": homes})
     merged = [{"latent": k, "strategies": held} for k, held in sorted(holders.items()) if len(held) >= 2]
-    return {"num_strategies": len(usage), "merged": merged, "split": split}
+    mass = {k: sum(n * by_latent.get(k, 0.0) for n, by_latent in usage.values()) for k in latents}
+    total = sum(mass.values()) or 1.0
+    in_use = [k for k in latents if mass[k] / total > USED_SHARE]
+    purity = {str(k): usage[majority[k]][0] * usage[majority[k]][1].get(k, 0.0) / mass[k] for k in in_use}
+    return {"num_strategies": len(usage), "merged": merged, "split": split, "latents_in_use": in_use,
+            "unused_latents": [k for k in latents if k not in in_use], "latent_purity": purity}
 
 
 def gold_collapsed(metrics: Mapping[str, Any]) -> bool | None:
@@ -270,6 +284,8 @@ def judge(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int | 
         gold = {key: _number(metrics, key) for key in _GOLD_KEYS if _number(metrics, key) is not None}
         if structure is not None:
             gold.update(structure)
+        if "homogeneity" in gold:  # K above the number of strategies is fine while this holds
+            gold["pure"] = gold["homogeneity"] >= PURE_HOMOGENEITY
         gold_status = _gold_status(metrics, structure)
 
     next_step = None
@@ -283,7 +299,10 @@ def judge(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int | 
             next_step = (f"{used:g} of {num_latents} latents in use: if the data has {num_latents} strategies, some share a latent; "
                          f"for strategies that part late in y try --config {LATE_DECISION_RECIPE}; if it has {used:g}, nothing to do")
 
-    verdict_text = category if gold_status is None or gold_status == status else f"{category}; gold: {gold_status}"
+    shown_gold = gold_status
+    if gold_status == "split" and "pure" in gold:
+        shown_gold = f"split ({'pure' if gold['pure'] else 'impure'})"
+    verdict_text = category if gold_status is None or gold_status == status else f"{category}; gold: {shown_gold}"
     out: dict[str, Any] = {
         "verdict": verdict_text,
         "status": status,
@@ -297,7 +316,8 @@ def judge(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int | 
         "reasons": reasons,
         "thresholds": {"min_mi_fraction": MIN_MI_FRACTION, "min_distinct_outputs": MIN_DISTINCT_OUTPUTS,
                        "gold_collapsed_nmi": GOLD_COLLAPSED_NMI, "aligned_nmi_ratio": ALIGNED_NMI_RATIO,
-                       "merge_min_share": MERGE_MIN_SHARE, "split_min_share": SPLIT_MIN_SHARE},
+                       "merge_min_share": MERGE_MIN_SHARE, "split_min_share": SPLIT_MIN_SHARE,
+                       "pure_homogeneity": PURE_HOMOGENEITY, "used_share": USED_SHARE},
         "step": step,
         "source": source,
     }
@@ -334,6 +354,11 @@ def verdict_lines(verdict: Mapping[str, Any]) -> list[str]:
         if verdict["gold_status"] != "collapsed":  # under collapse every latent holds every strategy: no news
             parts += [f"{'+'.join(m['strategies'])} share latent {m['latent']}" for m in gold.get("merged", [])]
             parts += [f"{s['strategy']} spread over latents {', '.join(map(str, s['latents']))}" for s in gold.get("split", [])]
+            if gold.get("unused_latents"):
+                parts.append(f"unused latents {', '.join(map(str, gold['unused_latents']))}")
+            if "pure" in gold:
+                parts.append(f"latents in use {'pure' if gold['pure'] else 'not pure'} (homogeneity "
+                             f"{'>=' if gold['pure'] else '<'} {PURE_HOMOGENEITY})")
         lines.append(f"  gold: {verdict['gold_status']}: " + ", ".join(parts))
     if verdict.get("next_step"):
         lines.append(f"  next step: {verdict['next_step']}")
