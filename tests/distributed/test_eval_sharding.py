@@ -130,6 +130,7 @@ else:
         # The stratified and reachable metrics were among the keys compared above.
         assert "nmi_reachable" in single and "nmi_ratio" in single
         assert any(k.startswith("by_strategy/") for k in single) and "by_length/t1/nmi" in single
+        assert "control/distinct_outputs" in single  # decodes of every latent, gathered over the ranks
         assert os.path.isfile(os.path.join(out, engine_name, "eval_step1.json"))
         assert os.path.isfile(os.path.join(out, engine_name, "latents.png"))
         assert os.path.isfile(os.path.join(out, engine_name, "information_gain.png"))
