@@ -236,6 +236,9 @@ def test_gold_without_per_strategy_usage_falls_back_on_nmi_ratio():
     metrics = {"mi": 0.69, "kl": 0.69, "num_used_latents": 2.0, "router_support": 2.0, "nmi": 0.95, "nmi_ratio": 0.95}
     assert judge(metrics, _config())["gold_status"] == "aligned"
     assert judge({**metrics, "nmi_ratio": 0.5}, _config())["gold_status"] == "mixed"
+    # z in use (MI high) but not along the strategies: gold collapsed, and the step for a merge, not the raw term's
+    unaligned = judge({**metrics, "nmi": 0.05, "nmi_ratio": 0.05}, _config(objective="raw"))
+    assert unaligned["verdict"] == "in use (2.0 of 2); gold: collapsed" and LATE_DECISION_RECIPE in unaligned["next_step"]
 
 
 def test_gaussian_latent_is_judged_by_active_units():

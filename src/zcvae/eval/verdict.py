@@ -56,26 +56,22 @@ __all__ = [
     "write_verdict",
 ]
 
-# ---- thresholds (one reason each)
-# z carries information when I(x,y; z) >= this x log K: the pilot's collapsed runs sit near 0 (KL < 1e-4
-# nats), and two strategies on two of K <= 16 latents still give log 2 / log K >= 0.25.
+# ---- thresholds, each with its reason
+# MI >= this x log K: far above collapse (pilot: NMI <= 0.001, KL <= 0.003), below any real use (log 2/log 16 = 0.25).
 MIN_MI_FRACTION = 0.1
-# The decoder ignores z when fewer decoded x than this change their output with z, whatever q says.
+# Decoding that changes with z on fewer x than this means the decoder ignores z, whatever q says.
 MIN_DISTINCT_OUTPUTS = 0.05
-# Gold collapse: an NMI below this tells next to nothing about the strategy (issue 20's definition).
+# Gold collapse: NMI below this tells next to nothing about the strategy (issue 20's definition).
 GOLD_COLLAPSED_NMI = 0.1
-# Aligned with gold at nmi / nmi_reachable >= this, the target the README's tables are held to.
+# Aligned with gold at nmi / nmi_reachable >= this: the target the README's tables are held to.
 ALIGNED_NMI_RATIO = 0.9
-# A latent holds a strategy when it has at least half of that strategy's q mass; two strategies held
-# by one latent are merged (a half is robust to the unreachable share, e.g. mul's b = 1 rows).
+# A latent holding half of each of two strategies' q mass merges them; half leaves room for mul's unreachable b = 1 rows.
 MERGE_MIN_SHARE = 0.5
-# A strategy is split over the latents it is the majority of that each hold at least this share of it;
-# below it is the leak of soft posteriors and ambiguous rows, not a second home.
+# A strategy is split over the latents it is the majority of holding this share of it; less is soft-posterior leak.
 SPLIT_MIN_SHARE = 0.1
-# Spare latents are fine when every latent in use holds one strategy: homogeneity >= this (issue 20's bar
-# for K = 2 x the number of strategies).
+# Spare latents are fine while every latent in use holds one strategy: issue 20's homogeneity bar at K = 2 x strategies.
 PURE_HOMOGENEITY = 0.95
-# A latent is in use when it gets more than this share of all q mass (num_used_latents' own threshold).
+# A latent is in use above this share of all q mass: the threshold of num_used_latents (eval.metrics).
 USED_SHARE = 0.01
 
 # What the verdict suggests for strategies that part late in y (README, "Late decisions").
@@ -289,9 +285,11 @@ def judge(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int | 
         gold_status = _gold_status(metrics, structure)
 
     next_step = None
-    if status == "collapsed" or gold_status == "collapsed":
+    if status == "collapsed":
         next_step = _collapse_step(config, num_latents if discrete else 2)
-    elif discrete and gold_status in ("merged", "mixed"):
+    elif gold_status == "collapsed" and not discrete:
+        next_step = _collapse_step(config, 2)
+    elif discrete and gold_status in ("collapsed", "merged", "mixed"):  # z in use, but not (all) along the strategies
         next_step = _merge_step(config, num_latents, structure and structure["num_strategies"])
     elif discrete and gold_status is None and status == "in use":
         used = latents["num_used_latents"]
