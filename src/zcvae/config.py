@@ -104,6 +104,7 @@ class TrainConfig(StrictDataclass):
     run_name: str | None = _f(None, "Run name (derived from the parameters that differ from the defaults when omitted).")
     log_every: int = _f(10, "Log train metrics every N steps.")
     eval_every: int = _f(0, "Evaluate every N steps (0: only at the end).")
+    grad_probe_every: int = _f(0, "Every N steps, log the norms of the reconstruction and the KL gradient on the router's posterior head and on the LoRA weights, separately, their ratio and t0/T (seed 002; zcvae.train.grad_probe; records of split grad_probe in metrics.jsonl). 0: off. Changes no training number. Cost on a probed step: two extra backward passes per micro-batch (the reconstruction one about as long as the step's own backward, the KL one through the router pass only) and one all-reduce of those gradients. Needs --engine local.")
     num_eval_decode_examples: int = _f(64, "Validation x decoded with each latent for controllability.")
     max_new_tokens: int | None = _f(None, "Greedy decoding length (the longest validation y + 2 when omitted).")
     progress_bar: bool = _f(True, "Show a progress bar on rank 0.")
@@ -337,6 +338,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"kl_weight_factor must be > 0 or omitted, got {cfg.kl_weight_factor}")
     if cfg.kl_weight_scale == "none" and cfg.kl_weight_factor not in (None, 1.0):
         raise ValueError(f"kl_weight_factor is {cfg.kl_weight_factor} but kl_weight_scale is none (set kl_weight_scale tokens or drop the factor)")
+    if cfg.grad_probe_every < 0:
+        raise ValueError(f"grad_probe_every must be >= 0 (0: off), got {cfg.grad_probe_every}")
+    if cfg.grad_probe_every and cfg.engine != "local":
+        # ZeRO-3 and FSDP2 hold a shard of each parameter outside autograd's reach: no per-term gradient to read
+        raise ValueError(f"grad_probe_every needs engine local (one process or DDP), got engine {cfg.engine!r}; "
+                         f"probe a run with --engine local, or set grad_probe_every 0")
 
 
 def _type_ok(value: Any, tp: Any) -> bool:

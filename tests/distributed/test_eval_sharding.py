@@ -130,6 +130,9 @@ else:
         # The stratified and reachable metrics were among the keys compared above.
         assert "nmi_reachable" in single and "nmi_ratio" in single
         assert any(k.startswith("by_strategy/") for k in single) and "by_length/t1/nmi" in single
+        # decoding and kappa by stratum: computed from the gathered records like the rest, so compared above too
+        assert {"by_length/t1/exact_match", "by_length/t1/answer_accuracy", "by_length/t1/control/parse_rate",
+                "by_length/t1/token_concentration_factor"} <= set(single)
         assert "control/distinct_outputs" in single  # decodes of every latent, gathered over the ranks
         assert os.path.isfile(os.path.join(out, engine_name, "eval_step1.json"))
         assert os.path.isfile(os.path.join(out, engine_name, "latents.png"))

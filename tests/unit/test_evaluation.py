@@ -237,6 +237,53 @@ def test_summarize_stratified_and_reachable_metrics_are_exact_on_a_hand_built_se
     assert (tmp_path / "information_gain_step3.png").is_file()
 
 
+def test_decoding_metrics_and_kappa_by_stratum_are_exact_on_a_hand_built_set():
+    """Exact match, parse rate, answer accuracy and kappa per strategy and per length tercile, by hand."""
+    cfg = SimpleNamespace(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
+                          router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
+    gold = ["A", "A", "B", "B", "A", "B"]
+    lengths = [2, 2, 3, 4, 4, 5]  # terciles: cut points 2 and 4 -> t1 = {0, 1}, t2 = {2, 3, 4}, t3 = {5}
+    q = [[0.9, 0.1], [0.8, 0.2], [0.1, 0.9], [0.3, 0.7], [0.6, 0.4], [0.2, 0.8]]  # argmax 0 0 1 1 0 1
+    gold_y = {"A": (1, 3), "B": (2, 3)}  # x = "7": "A 7" and "B 7" both answer 7
+    val = [SimpleNamespace(id=f"e{i}", x_ids=(3,), y_ids=gold_y[g], strategy=g) for i, g in enumerate(gold)]
+    records = []
+    for i in range(6):
+        rec = _record(i, q[i], gold[i], n=lengths[i])
+        rec["cond_nll"], rec["ref_nll"] = [1.0] * lengths[i], [1.0] * lengths[i]
+        rec["terms"]["token_concentration_factor"] = 0.5 + i
+        records.append(rec)
+    # the first five x are decoded with both latents (example 5 is not decoded); latent 0 writes "A 7",
+    # latent 1 "B 7", except: example 1 latent 0 "A 8" (parses, wrong answer, not exact), example 3
+    # latent 1 never closes, example 4 latent 1 "B" (no parse)
+    generated = {(i, k): ((1, 3) if k == 0 else (2, 3)) for i in range(5) for k in (0, 1)}
+    generated[(1, 0)], generated[(4, 1)] = (1, 4), (2,)
+    decodes = [{"index": i, "latent": k, "generated": list(generated[(i, k)]), "closed": (i, k) != (3, 1)}
+               for i in range(5) for k in (0, 1)]
+    scalars, _ = summarize(records, decodes, cfg=cfg, val=val, task=_Task(), tokenizer=_Tok(), c_base=1.0, num_decode_steps=4)
+    # whole set: exact on the argmax decodes of 0..4 = T F T F T; 8 of 10 parse; 7 of 10 answer 7
+    assert scalars["exact_match"] == pytest.approx(3 / 5)
+    assert scalars["control/parse_rate"] == pytest.approx(8 / 10) and scalars["answer_accuracy"] == pytest.approx(7 / 10)
+    expected = {
+        # stratum: (decoded examples, exact match, parse rate, answer accuracy)
+        "by_strategy/A": (3, 2 / 3, 5 / 6, 4 / 6),  # examples 0, 1, 4
+        "by_strategy/B": (2, 1 / 2, 3 / 4, 3 / 4),  # examples 2, 3 (5 is not decoded)
+        "by_length/t1": (2, 1 / 2, 4 / 4, 3 / 4),  # examples 0, 1
+        "by_length/t2": (3, 2 / 3, 4 / 6, 4 / 6),  # examples 2, 3, 4
+    }
+    for prefix, (num, exact, parse, answer) in expected.items():
+        assert scalars[f"{prefix}/decode/num_examples"] == num, prefix
+        assert scalars[f"{prefix}/exact_match"] == pytest.approx(exact), prefix
+        assert scalars[f"{prefix}/control/parse_rate"] == pytest.approx(parse), prefix
+        assert scalars[f"{prefix}/answer_accuracy"] == pytest.approx(answer), prefix
+    # t3 holds only example 5, which was not decoded: its loss strata exist, its decoding keys do not
+    assert scalars["by_length/t3/num_examples"] == 1
+    assert not any(k.startswith("by_length/t3/") and k.endswith(("exact_match", "parse_rate", "answer_accuracy")) for k in scalars)
+    # kappa per stratum: the mean of 0.5 + i over each stratum's examples, decoded or not
+    for prefix, rows in {"by_strategy/A": [0, 1, 4], "by_strategy/B": [2, 3, 5], "by_length/t1": [0, 1],
+                         "by_length/t2": [2, 3, 4], "by_length/t3": [5]}.items():
+        assert scalars[f"{prefix}/token_concentration_factor"] == pytest.approx(0.5 + sum(rows) / len(rows)), prefix
+
+
 def test_nmi_ratio_is_one_when_nothing_is_reachable():
     from zcvae.eval.metrics import nmi_ratio, reachable_nmi
 
@@ -481,7 +528,8 @@ def test_simulated_two_rank_evaluation_on_an_odd_set_matches_one_process(setup, 
     assert calls[0].count("train") == 2 and calls[0].count("decode") == 2 * s.cfg.max_new_tokens
     assert set(results[0]) == set(single)
     # The stratified and reachable metrics are among the keys compared (the shards split every stratum).
-    assert {"nmi_reachable", "nmi_ratio", "by_length/t1/nmi"} <= set(single)
+    assert {"nmi_reachable", "nmi_ratio", "by_length/t1/nmi", "by_length/t1/exact_match", "by_length/t1/answer_accuracy",
+            "by_length/t1/control/parse_rate", "by_length/t1/token_concentration_factor"} <= set(single)
     assert any(k.startswith("by_strategy/") and k.endswith("/latent_usage/2") for k in single)
     for key, value in single.items():
         assert results[0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

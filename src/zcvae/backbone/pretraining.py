@@ -28,6 +28,7 @@ Shape legend: B batch, T sequence length, V vocabulary; decoding: R rows, L prom
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -78,13 +79,30 @@ class PretrainConfig(StrictDataclass):
     tenth of the file) are held out."""
     output_dir: str = "runs/backbone"
     """Where the checkpoint goes (replaced if it exists)."""
+    backbone: str | None = None
+    """A pretrained causal LM to fine-tune z-free instead of a tiny model from scratch: a local Hugging
+    Face directory or a ``.gguf`` file (converted once into the cache). This is the entangled stage for
+    a real LM: its tokenizer gains the template markers and ``<znull>``, whose rows train (peft trainable
+    tokens) together with LoRA on every linear layer; LoRA is merged into the weights at the end, so
+    the output is a plain HF checkpoint that ``zcvae train --backbone`` reads with the markers already
+    known. The tiny-model size fields (hidden_size ... intermediate_size) are ignored."""
+    full_finetune: bool = False
+    """With ``backbone``: train every weight instead of LoRA + the new rows."""
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_target_modules: list[str] | None = None
+    """With ``backbone`` and LoRA: peft ``target_modules``; None = every linear layer but the head
+    (peft's ``all-linear``): the stage must fit p(y | x), not only re-route attention."""
+    trust_remote_code: bool = False
+    """With ``backbone``: allow a model directory to ship its own code (off unless set explicitly)."""
     max_steps: int = 800
     """Optimizer steps. On the default task the y NLL reaches 0.697 nats/sequence at 800 steps (floor
     log 2 = 0.693) and 0.694 at 1,200; a step costs 0.3 CPU-s on one heavily shared core (76 ms was measured for
     this model size on 2 idle cores in the prototype, i.e. about 1 minute)."""
     batch_size: int = 64
-    learning_rate: float = 1.5e-3
-    """Peak learning rate after warm-up."""
+    learning_rate: float | None = None
+    """Peak learning rate after warm-up; None = 1.5e-3 for the tiny model, 1e-3 for LoRA on a
+    ``backbone``, 5e-5 for ``full_finetune`` (resolved on creation and recorded)."""
     warmup_steps: int = 100
     """Linear warm-up from 0 to ``learning_rate``."""
     weight_decay: float = 0.0
@@ -141,7 +159,25 @@ class PretrainConfig(StrictDataclass):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not self.learning_rate > 0:
+        if self.learning_rate is None:
+            self.learning_rate = 1.5e-3 if self.backbone is None else 5e-5 if self.full_finetune else 1e-3
+        if self.backbone is not None and (not isinstance(self.backbone, str) or not self.backbone.strip()):
+            raise ValueError(f"backbone must be a model directory or a .gguf file, got {self.backbone!r}")
+        if self.full_finetune and self.backbone is None:
+            raise ValueError("full_finetune needs backbone: the tiny model from scratch trains every weight anyway")
+        for name in ("full_finetune", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 1:
+            raise ValueError(f"lora_r must be an int >= 1, got {self.lora_r!r}")
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
+        if self.lora_target_modules is not None and (
+            not isinstance(self.lora_target_modules, (list, tuple)) or not self.lora_target_modules
+            or not all(isinstance(t, str) and t for t in self.lora_target_modules)
+        ):
+            raise ValueError(f"lora_target_modules must be None or a non-empty list of names, got {self.lora_target_modules!r}")
+        if isinstance(self.learning_rate, bool) or not isinstance(self.learning_rate, (int, float)) or not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
@@ -253,15 +289,19 @@ def mix_templates(
 # ---- data ----------------------------------------------------------------------------------------
 
 
-def _load_data(config: PretrainConfig):
-    """(tokenizer, tokens, train examples, val examples, task family or None)."""
+def _load_data(config: PretrainConfig, tokenizer=None):
+    """(tokenizer, tokens, train examples, val examples, task family or None).
+
+    ``tokenizer``: a pretrained backbone's own (it gains the markers here); None builds the tiny
+    model's word-level tokenizer over the data's words."""
     from zcvae.data import build_tokenizer, get_task, make_examples, read_jsonl
 
     if config.task is not None:
         task = get_task(config.task)
         train = make_examples(task, seed=config.seed, split="train", num_examples=config.num_train_examples)
         val = make_examples(task, seed=config.seed, split="val", num_examples=config.num_val_examples)
-        tokenizer = build_tokenizer()
+        if tokenizer is None:
+            tokenizer = build_tokenizer()
     else:
         task = None
         train = read_jsonl(config.train_data)
@@ -275,8 +315,9 @@ def _load_data(config: PretrainConfig):
                     "validation examples; give val_data"
                 )
             train, val = train[:-num_val], train[-num_val:]
-        words = sorted({w for ex in [*train, *val] for w in (*ex.x.split(), *ex.y.split())})
-        tokenizer = build_tokenizer(extra_words=words)
+        if tokenizer is None:
+            words = sorted({w for ex in [*train, *val] for w in (*ex.x.split(), *ex.y.split())})
+            tokenizer = build_tokenizer(extra_words=words)
     tokens = prepare_tokenizer(tokenizer, num_latents=0)
     return tokenizer, tokens, train, val, task
 
@@ -292,6 +333,109 @@ def _encode(examples, tokenizer, tokens, *, max_length: int, what: str, log) -> 
     if not encoded:
         raise ValueError(f"{what}: no example fits max_length={max_length}")
     return encoded
+
+
+def data_fingerprint(train, val) -> str:
+    """sha256 of the examples a backbone was fit to (id, x, y, strategy; train then val, in order):
+    ``zcvae train`` can tell whether its data is the data of the entangled stage."""
+    h = hashlib.sha256()
+    for split, examples in (("train", train), ("val", val)):
+        for ex in examples:
+            h.update(json.dumps([split, ex.id, ex.x, ex.y, ex.strategy], ensure_ascii=True).encode() + b"\n")
+    return h.hexdigest()
+
+
+# ---- a pretrained backbone -----------------------------------------------------------------------
+
+
+def load_backbone_for_finetune(config: PretrainConfig, *, log: Callable[[str], None]):
+    """(model, tokenizer, source record, added token ids) for the entangled stage on ``config.backbone``.
+
+    Mirrors ``ZCVAE.from_pretrained`` up to the adapters: the markers and ``<znull>`` are added to the
+    backbone's tokenizer, the embeddings resized and the new rows set to the mean row (input and an
+    untied head alike), dropout off. With LoRA the new rows train as peft trainable tokens, so every
+    other row stays bitwise frozen; with ``full_finetune`` everything trains.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zcvae.backbone.convert import conversion_record, file_sha256, is_gguf_path, resolve_backbone_path
+    from zcvae.model.cvae import ZCVAE, _check_backbone_files, _disable_dropout
+    from zcvae.reference.store import fingerprint_backbone
+
+    source = config.backbone
+    directory = resolve_backbone_path(source, log=log)
+    if not os.path.isdir(directory) or not os.path.isfile(os.path.join(directory, "config.json")):
+        raise ValueError(f"backbone {source!r} is neither a Hugging Face model directory (with config.json) nor a .gguf file")
+    _check_backbone_files(directory)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"backbone {source!r}: its tokenizer files could not be read: {err}") from None
+    vocab_before = tokenizer.get_vocab()
+    tokens = prepare_tokenizer(tokenizer, num_latents=0)
+    added = sorted(i for t, i in tokenizer.get_vocab().items() if t not in vocab_before)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, local_files_only=True, use_safetensors=True, trust_remote_code=config.trust_remote_code, dtype=torch.float32
+        )
+    except Exception as err:  # noqa: BLE001 - safetensors/transformers raise several types for a bad file
+        raise ValueError(f"backbone {source!r}: its weights could not be loaded: {type(err).__name__}: {err}") from None
+    positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if positions is not None and config.max_length > positions:
+        raise ValueError(f"max_length {config.max_length} exceeds the backbone's {positions} positions ({source!r})")
+    _disable_dropout(model)
+    model.config.use_cache = False
+    old_rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > old_rows:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    ZCVAE._init_new_rows(model, tokens=tokens, added=added, old_rows=old_rows, had_znull=False, noise=0.0,
+                         generator=torch.Generator().manual_seed(config.seed))
+    record = {
+        "backbone": source,
+        "directory": str(Path(directory).resolve()),
+        # the bytes the weights came from: the GGUF file, or the directory's safetensors + config.json
+        "sha256": file_sha256(source) if is_gguf_path(source) and Path(source).is_file() else fingerprint_backbone(directory),
+        "sha256_of": "gguf file" if is_gguf_path(source) and Path(source).is_file() else "safetensors + config.json",
+        "conversion": conversion_record(directory),
+        "model_type": getattr(model.config, "model_type", None),
+        "added_tokens": [tokenizer.convert_ids_to_tokens(i) for i in added],
+        "method": "full" if config.full_finetune else "lora",
+    }
+    if config.full_finetune:
+        return model, tokenizer, tokens, record
+    model_type = getattr(model.config, "model_type", "")
+    tied = model.get_output_embeddings() is not None and (
+        model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    )
+    # Untied heads need the new rows trained on both sides, else </y> keeps the mean logit and greedy
+    # decoding never closes y; tied heads share the row (peft ties the two adapters).
+    names = {id(m): n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
+    trainable = list(added) if tied else {
+        names[id(model.get_input_embeddings())]: list(added), names[id(model.get_output_embeddings())]: list(added)
+    }
+    lora = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=config.lora_target_modules or "all-linear",
+        fan_in_fan_out=model_type == "gpt2",  # GPT-2 uses Conv1D (transposed weights)
+        trainable_token_indices=trainable if added else None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)  # LoRA A matrices are drawn from the global RNG inside peft
+        model = get_peft_model(model, lora)
+    record["lora"] = {"r": config.lora_r, "alpha": config.lora_alpha, "target_modules": config.lora_target_modules or "all-linear"}
+    return model, tokenizer, tokens, record
+
+
+def merged_model(model):
+    """The plain HF model to save: LoRA and the trainable-token deltas merged into the weights (a peft
+    model), or ``model`` itself (the tiny model, a full fine-tune)."""
+    from peft import PeftModel
+
+    return model.merge_and_unload() if isinstance(model, PeftModel) else model
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
@@ -490,28 +634,36 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
 def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
     start_time = time.perf_counter()
     device = _resolve_device(config.device)
-    tokenizer, tokens, train_ex, val_ex, task = _load_data(config)
+    source = None
+    if config.backbone is not None:
+        model, tokenizer, tokens, source = load_backbone_for_finetune(config, log=log)
+        _, _, train_ex, val_ex, task = _load_data(config, tokenizer=tokenizer)
+        model = model.to(device)
+    else:
+        tokenizer, tokens, train_ex, val_ex, task = _load_data(config)
     train = _encode(train_ex, tokenizer, tokens, max_length=config.max_length, what="train", log=log)
     val = _encode(val_ex, tokenizer, tokens, max_length=config.max_length, what="val", log=log)
     # One collated copy of the whole training set; each step selects rows and trims padding columns.
     train_all = collate(train, tokens)
 
-    torch.manual_seed(config.seed)
-    model_config = tiny_llama_config(
-        len(tokenizer),
-        hidden_size=config.hidden_size,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        intermediate_size=config.intermediate_size,
-        max_position_embeddings=max(128, config.max_length),
-        bos_token_id=tokens.bos,
-        eos_token_id=tokens.eos,
-        pad_token_id=tokens.pad,
-    )
-    model = LlamaForCausalLM(model_config).to(device=device, dtype=torch.float32)
+    if config.backbone is None:
+        torch.manual_seed(config.seed)
+        model_config = tiny_llama_config(
+            len(tokenizer),
+            hidden_size=config.hidden_size,
+            num_layers=config.num_layers,
+            num_heads=config.num_heads,
+            intermediate_size=config.intermediate_size,
+            max_position_embeddings=max(128, config.max_length),
+            bos_token_id=tokens.bos,
+            eos_token_id=tokens.eos,
+            pad_token_id=tokens.pad,
+        )
+        model = LlamaForCausalLM(model_config).to(device=device, dtype=torch.float32)
     num_params = sum(p.numel() for p in model.parameters())
+    num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(
-        f"backbone: {num_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}, "
+        f"backbone: {num_params / 1e6:.2f}M parameters ({num_trainable / 1e6:.3f}M trained), vocab {len(tokenizer)}, "
         f"{len(train)} train / {len(val)} val examples, device {device}, {torch.get_num_threads()} threads"
     )
     # Built-in families: where each validation y's strategies first part (the token that carries the
@@ -523,8 +675,9 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
         floor = sum(task.y_entropy(x_of[ex.id]) for ex in val) / max(len(val), 1)
     initial = evaluate_nll(model, val, tokens, decision_positions=decision_pos)
 
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    no_decay = [p for p in trained if p.ndim < 2]
+    decay = [p for p in trained if p.ndim >= 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=config.learning_rate,
@@ -557,7 +710,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            torch.nn.utils.clip_grad_norm_(trained, config.grad_clip)
         optimizer.step()
         schedule.step()
 
@@ -587,6 +740,10 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
         "finished": True,
         "config": config.to_dict(),
         "num_parameters": num_params,
+        "num_trained_parameters": num_trainable,
+        # where the weights came from (None: the tiny model from scratch) and the data they were fit to
+        "source": source,
+        "data_fingerprint": data_fingerprint(train_ex, val_ex),
         "num_steps": config.max_steps,
         "num_train_examples": len(train),
         "num_val_examples": len(val),
@@ -607,7 +764,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
             max_length=config.max_length, seed=config.seed,
         )
     summary["wall_time_s"] = time.perf_counter() - start_time
-    _write_checkpoint(model, tokenizer, summary, config.output_dir)
+    _write_checkpoint(merged_model(model), tokenizer, summary, config.output_dir)
     zf, zn = final["zfree"], final["znull"]
     log(
         f"done in {summary['wall_time_s']:.1f}s: val y NLL z-free {zf['nll_per_example']:.3f} "

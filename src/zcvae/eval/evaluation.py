@@ -54,7 +54,11 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
   reconstruction terms (``by_strategy/forward/reconstruction_loss``, ...), ``nmi`` (by strategy:
   one-vs-rest, [gold == s] against the assigned latent over all labelled rows; by length: within
   the tercile), ``latent_usage/<k>``, ``num_used_latents`` and ``mi`` (discrete) or
-  ``active_units`` (Gaussian), and ``min_length``/``max_length`` for the terciles.
+  ``active_units`` (Gaussian), and ``min_length``/``max_length`` for the terciles; kappa
+  (``token_concentration_factor``) per stratum too. Decoding by stratum
+  (``stratified_decoding_metrics``; seed 001's confound "length correlates with parse and answer
+  correctness"): ``P/exact_match``, ``P/answer_accuracy``, ``P/control/parse_rate`` and
+  ``P/decode/num_examples`` over the decoded examples of each stratum P, the same strata.
 
 Outputs: a flat dict of floats, the same on every rank (the trainer's logger prefixes ``eval/``);
 on rank 0 ``eval_step{step}.json`` (everything non-scalar: confusion matrix, per-position gain,
@@ -108,6 +112,7 @@ __all__ = [
     "gather_records",
     "greedy_decode",
     "shard_indices",
+    "stratified_decoding_metrics",
     "stratified_metrics",
     "summarize",
 ]
@@ -368,6 +373,59 @@ def _stratum_name(strategy: Any) -> str:
     return str(strategy).replace("/", "_").replace(" ", "_") or "_"
 
 
+def _strata(records: list[dict], labels: Sequence[Any]) -> tuple[list[tuple[str, list[int], Any]], np.ndarray]:
+    """The strata ``[(prefix, rows, strategy or None), ...]`` of the records, and every row's n_i.
+
+    ``by_strategy/<s>`` per gold strategy (sorted), then ``by_length/t1..t3`` (terciles of n_i over
+    every row, ``eval.metrics.length_terciles``; an empty tercile is left out). The one definition the
+    loss, latent and decoding strata share, so ``by_length/t1`` names the same examples in all three.
+    """
+    num = len(records)
+    lengths_N = np.asarray([len(r["cond_nll"]) for r in records])
+    strata: list[tuple[str, list[int], Any]] = []
+    for strategy in sorted({s for s in labels if s is not None}, key=str):
+        strata.append((f"by_strategy/{_stratum_name(strategy)}", [n for n in range(num) if labels[n] == strategy], strategy))
+    tercile_N = length_terciles(lengths_N)
+    for j in range(3):
+        rows = np.flatnonzero(tercile_N == j).tolist()
+        if rows:
+            strata.append((f"by_length/t{j + 1}", rows, None))
+    return strata, lengths_N
+
+
+def stratified_decoding_metrics(records: list[dict], labels: Sequence[Any], ctrl_records: list[dict]) -> dict[str, float]:
+    """Exact match, answer accuracy and parse rate per stratum -> flat ``{name: value}``.
+
+    The strata are those of :func:`stratified_metrics`, cut over the whole validation set (the
+    terciles use every row's n_i), although only its first ``num_eval_decode_examples`` x are
+    decoded: ``by_length/t1`` is the same set of examples for the losses and for decoding. Each
+    metric is its whole-set definition restricted to the decodes of the stratum's examples:
+      P/decode/num_examples    decoded examples in P (absent strata: no keys)
+      P/exact_match            over the decode under each x's argmax latent (Gaussian: its mean)
+      P/control/parse_rate     over every decode of P's x (every latent), as ``control/parse_rate``
+      P/answer_accuracy        likewise, as ``answer_accuracy``; both only with a task parser
+    ``ctrl_records`` are ``_control_records``' output (``index``, ``exact_match`` on the argmax decode,
+    ``parse_ok``/``answer_correct`` with a parser). Pure: exact under sharding.
+    """
+    out: dict[str, float] = {}
+    by_index: dict[int, list[dict]] = {}
+    for rec in ctrl_records:
+        by_index.setdefault(rec["index"], []).append(rec)
+    strata, _ = _strata(records, labels)
+    for prefix, rows, _ in strata:
+        decoded = [rec for n in rows for rec in by_index.get(records[n]["index"], [])]
+        if not decoded:
+            continue
+        out[f"{prefix}/decode/num_examples"] = float(len({rec["index"] for rec in decoded}))
+        exact = [float(rec["exact_match"]) for rec in decoded if "exact_match" in rec]
+        if exact:
+            out[f"{prefix}/exact_match"] = float(np.mean(exact))
+        if all("parse_ok" in rec for rec in decoded):
+            out[f"{prefix}/control/parse_rate"] = float(np.mean([bool(rec["parse_ok"]) for rec in decoded]))
+            out[f"{prefix}/answer_accuracy"] = float(np.mean([bool(rec["answer_correct"]) for rec in decoded]))
+    return out
+
+
 def stratified_metrics(
     records: list[dict], labels: Sequence[Any], assign: Sequence[int | None], *, discrete: bool
 ) -> dict[str, float]:
@@ -378,6 +436,7 @@ def stratified_metrics(
     ``eval.metrics.length_terciles``; an empty tercile has no keys). For each stratum P:
       P/num_examples
       P/<term>             example mean of each of ``core.losses.RECONSTRUCTION_TERMS`` over its valid rows
+      P/token_concentration_factor   kappa_i (``core.losses``), the same example mean
       P/latent_usage/<k>   mean q(z=k|x,y) over its rows (discrete)
       P/num_used_latents, P/mi   usage and I(x,y; z) within the stratum (discrete; within a strategy
                            an MI near 0 means z does not vary inside it)
@@ -391,20 +450,12 @@ def stratified_metrics(
     """
     out: dict[str, float] = {}
     num = len(records)
-    lengths_N = np.asarray([len(r["cond_nll"]) for r in records])
-    strata: list[tuple[str, list[int], Any]] = []
-    for strategy in sorted({s for s in labels if s is not None}, key=str):
-        strata.append((f"by_strategy/{_stratum_name(strategy)}", [n for n in range(num) if labels[n] == strategy], strategy))
-    tercile_N = length_terciles(lengths_N)
-    for j in range(3):
-        rows = np.flatnonzero(tercile_N == j).tolist()
-        if rows:
-            strata.append((f"by_length/t{j + 1}", rows, None))
+    strata, lengths_N = _strata(records, labels)
     scored = [n for n in range(num) if labels[n] is not None and assign[n] is not None]
     for prefix, rows, strategy in strata:
         out[f"{prefix}/num_examples"] = float(len(rows))
         valid = [n for n in rows if records[n]["terms"].get("valid", 1.0) > 0]
-        for name in RECONSTRUCTION_TERMS:
+        for name in (*RECONSTRUCTION_TERMS, "token_concentration_factor"):
             if valid and name in records[rows[0]]["terms"]:
                 out[f"{prefix}/{name}"] = float(np.mean([records[n]["terms"][name] for n in valid]))
         if discrete:
@@ -577,6 +628,7 @@ def summarize(
         ctrl_records = _control_records(decodes, val=val, tokenizer=tokenizer, task=task, map_latent=map_latent)
         exact = [float(r["exact_match"]) for r in ctrl_records if "exact_match" in r]
         scalars["exact_match"] = float(np.mean(exact))
+        scalars.update(stratified_decoding_metrics(records, labels, ctrl_records))
         if cfg.latent_type == "discrete":
             scalars["control/distinct_outputs"] = distinct_outputs(decodes)
         if task is not None:

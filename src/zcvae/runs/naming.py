@@ -101,6 +101,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "reference_cache_dir",
     "progress_bar",
     "log_every",
+    "grad_probe_every",  # a probe that changes no training number
     "save_every",
     "keep_last_checkpoints",
     "kl_weight_factor",  # resolved from the data by the trainer; kl_weight_scale names the choice

@@ -35,6 +35,7 @@ from zcvae.distributed import flush_denormals, free_cpu_cores, init_distributed,
 from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS
 from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
 from zcvae.train.faults import fault_injection_from_env
+from zcvae.train.grad_probe import PROBE_SPLIT, GradientProbe
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.templates import collate, encode_examples
 
@@ -335,7 +336,10 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     progress = _progress(cfg, start_step, enabled=is_main)
     window = MetricWindow()
     window_tokens, window_start = 0.0, time.perf_counter()
+    # seed 002's posterior gradient, every grad_probe_every steps (zcvae.train.grad_probe: reads the same forward)
+    probe = GradientProbe.for_model(model, task=splits.task, tokenizer=model.tokenizer) if cfg.grad_probe_every else None
     for step in range(start_step, cfg.max_steps):
+        probing = probe is not None and (step + 1) % cfg.grad_probe_every == 0
         beta = kl_weight_at(cfg, step)
         lr_factor = lr_factor_at(cfg, step)
         engine.set_learning_rates([lr * lr_factor for lr in peak_lrs])
@@ -357,6 +361,9 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
                 loss = loss + marginal / len(batches)
                 for name, value in router.items():
                     window.add_scalar(name, value)
+            if probing:
+                probe.accumulate(reconstruction=(terms["weighted_reconstruction_loss"] * terms["valid"]).sum() / global_count,
+                                 kl=terms["kl"].sum() / global_count, examples=[train_enc[i] for i in micro[m]])
             engine.backward(loss, sync=m == len(batches) - 1)
             window.add_examples(terms, terms["valid"])
             window_tokens += float(batch.num_supervised.sum())
@@ -365,6 +372,8 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
         progress.update(1)
 
         done = step + 1
+        if probing:
+            logger.log(PROBE_SPLIT, done, probe.result(kl_weight=beta, all_reduce=engine.all_reduce))
         if done % cfg.log_every == 0 or done == cfg.max_steps:
             metrics = window.reduce()
             elapsed = time.perf_counter() - window_start

@@ -1,0 +1,149 @@
+"""The entangled stage on a pretrained backbone (``zcvae pretrain --backbone``).
+
+The backbones here are tiny random Llamas whose tokenizer has never seen the template, as a real LM's
+has not: the stage must add the markers, train their rows (and nothing else of the embedding under
+LoRA), merge LoRA, and write a checkpoint that ``ZCVAE.from_pretrained`` reads without adding any
+marker again and whose validation NLL is the one the summary reports (so the merge is exact).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from zcvae.backbone.pretraining import PretrainConfig, evaluate_nll, is_pretrained, pretrain
+from zcvae.templates import TemplateLayout
+
+
+def raw_backbone(directory: Path, *, tied: bool, seed: int = 0) -> Path:
+    """A tiny Llama + word-level tokenizer over the task words, without any template marker."""
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from zcvae.backbone.pretraining import tiny_llama_config
+    from zcvae.data.tokenizer import task_vocabulary
+
+    special = ["<pad>", "<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate([*special, *task_vocabulary()])}
+    backend = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>", clean_up_tokenization_spaces=False)
+    config = tiny_llama_config(len(tok), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                               bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    config.tie_word_embeddings = tied
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    if tied:
+        model.tie_weights()
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
+def stage_config(backbone: Path, out: Path, **overrides) -> PretrainConfig:
+    values = dict(backbone=str(backbone), task="copy", output_dir=str(out), max_steps=6, batch_size=8,
+                  num_train_examples=64, num_val_examples=16, num_decode_examples=0, warmup_steps=1,
+                  log_every=100, learning_rate=1e-2, device="cpu")
+    return PretrainConfig(**{**values, **overrides})
+
+
+def load_plain(directory: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def reloaded_val_nll(out: Path, summary: dict) -> float:
+    """The z-free validation NLL of the *saved* checkpoint, on the stage's own validation split."""
+    from zcvae.backbone.pretraining import _encode, _load_data
+    from zcvae.templates import template_tokens
+
+    model, tok = load_plain(out)
+    tokens = template_tokens(tok, num_latents=0)
+    cfg = PretrainConfig.from_dict(summary["config"])
+    _, _, _, val_ex, _ = _load_data(cfg, tokenizer=tok)
+    val = _encode(val_ex, tok, tokens, max_length=cfg.max_length, what="val", log=print)
+    return evaluate_nll(model, val, tokens)["zfree"]["nll_per_example"]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_lora_stage_trains_markers_merges_exactly_and_loads_in_train(tmp_path, tied):
+    from zcvae.model.cvae import ModelConfig, ZCVAE
+    from zcvae.reference.store import fingerprint_backbone
+
+    source = raw_backbone(tmp_path / "raw", tied=tied)
+    out = tmp_path / "entangled"
+    summary = pretrain(stage_config(source, out), log=lambda *_: None)
+    assert is_pretrained(out)
+    assert json.loads((out / "pretrain_summary.json").read_text()) == json.loads(json.dumps(summary))
+
+    # provenance: the source, its digest, the data, the method
+    record = summary["source"]
+    assert record["backbone"] == str(source) and record["method"] == "lora"
+    assert record["sha256"] == fingerprint_backbone(source)
+    assert set(record["added_tokens"]) == set(TemplateLayout.MARKERS)
+    assert len(summary["data_fingerprint"]) == 64
+    assert summary["val"]["zfree"]["nll_per_example"] < summary["val_initial"]["zfree"]["nll_per_example"]
+
+    # the merge is exact: the saved weights give the NLL the stage measured before merging
+    assert reloaded_val_nll(out, summary) == pytest.approx(summary["val"]["zfree"]["nll_per_example"], rel=1e-4)
+
+    # LoRA left every old embedding row bitwise unchanged and trained the new rows (both sides)
+    before, _ = load_plain(source)
+    after, tok = load_plain(out)
+    old = before.get_input_embeddings().weight.shape[0]
+    assert torch.equal(after.get_input_embeddings().weight[:old], before.get_input_embeddings().weight)
+    mean_in = before.get_input_embeddings().weight.mean(0)
+    # every marker that is read before a supervised token trains (</y> is only read to predict <eos>,
+    # which is not supervised, so its input row may stay the mean row)
+    for marker in ("<x>", "</x>", "<z>", "</z>", "<y>", "<znull>"):
+        row = after.get_input_embeddings().weight[tok.convert_tokens_to_ids(marker)]
+        assert not torch.allclose(row, mean_in), f"{marker} input row never trained"
+    y_close = tok.convert_tokens_to_ids("</y>")
+    mean_out = before.get_output_embeddings().weight.mean(0)
+    assert not torch.allclose(after.get_output_embeddings().weight[y_close], mean_out), "</y> logit row stayed the mean row"
+    if tied:
+        assert after.get_output_embeddings().weight.data_ptr() == after.get_input_embeddings().weight.data_ptr()
+
+    # train reads it with the markers known: only the K latent tokens are new
+    model = ZCVAE.from_pretrained(str(out), ModelConfig(num_latents=2))
+    assert len(model.tokenizer) == len(tok) + 2
+    assert model.tokens.y_close == y_close
+
+
+def test_full_finetune_trains_every_weight(tmp_path):
+    source = raw_backbone(tmp_path / "raw", tied=False)
+    out = tmp_path / "full"
+    summary = pretrain(stage_config(source, out, full_finetune=True), log=lambda *_: None)
+    assert summary["source"]["method"] == "full"
+    assert summary["num_trained_parameters"] == summary["num_parameters"]
+    before, _ = load_plain(source)
+    after, _ = load_plain(out)
+    assert not torch.equal(after.model.layers[0].mlp.up_proj.weight, before.model.layers[0].mlp.up_proj.weight)
+    assert reloaded_val_nll(out, summary) == pytest.approx(summary["val"]["zfree"]["nll_per_example"], rel=1e-4)
+
+
+def test_stage_is_deterministic_for_a_seed(tmp_path):
+    source = raw_backbone(tmp_path / "raw", tied=False)
+    a = pretrain(stage_config(source, tmp_path / "a"), log=lambda *_: None)
+    b = pretrain(stage_config(source, tmp_path / "b"), log=lambda *_: None)
+    assert a["val"] == b["val"]
+
+
+def test_bad_stage_configs_name_the_field(tmp_path):
+    source = raw_backbone(tmp_path / "raw", tied=False)
+    with pytest.raises(ValueError, match="max_length 4096 exceeds the backbone's 128 positions"):
+        pretrain(stage_config(source, tmp_path / "o", max_length=4096), log=lambda *_: None)
+    with pytest.raises(ValueError, match="full_finetune needs backbone"):
+        PretrainConfig(full_finetune=True)
+    with pytest.raises(ValueError, match="neither a Hugging Face model directory"):
+        pretrain(stage_config(tmp_path, tmp_path / "o"), log=lambda *_: None)
+    assert not (tmp_path / "o").exists()
