@@ -20,6 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 from zcvae.strict import StrictDataclass, check_keys
 
@@ -56,8 +57,9 @@ class TrainConfig(StrictDataclass):
     posterior_pooling: str = _f("last", "What q(z|x,y) reads: last (the final state at </y>) or mean (the mean final state over <y> y </y>; for strategies that part mid-y and end alike).", choices=("last", "mean"))
     share_x_prefix: bool = _f(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact, also under gradient checkpointing; falls back with a reason where unsupported).")
     # ---- reconstruction (seed 003, 001)
-    objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: zcvae.config.DEFAULT_OBJECTIVE (TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
-    reconstruction_loss_token_aggregation_mode: str = _f("mean", "Per-example token aggregation of every reconstruction term: mean or sum (then an example mean).", choices=("mean", "sum"))
+    objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tok, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: zcvae.config.DEFAULT_OBJECTIVE (TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tok", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
+    reconstruction_loss_token_aggregation_mode: str = _f("mean", "Token aggregation of every reconstruction term: mean (per-example token mean, then an example mean), sum (per-example token sum, then an example mean) or token (the global token mean: every supervised token of the global batch, all ranks and micro-batches, weighs the same).", choices=("mean", "sum", "token"))
+    reconstruction_loss_sum_scale: float | None = _f(None, "Sum mode only: divide each example's token sum by this constant C (Dr. GRPO's fixed divisor); c_base is divided by C too, so only raw, tok and ex change. Omitted: 1.")
     reconstruction_weight: float = _f(1.0, "Weight of reconstruction_loss (raw).")
     distribution_normalized_reconstruction_weight: float = _f(0.0, "Weight of distribution_normalized_reconstruction_loss.")
     example_inverse_surprisal_weighted_reconstruction_weight: float = _f(0.0, "Weight of example_inverse_surprisal_weighted_reconstruction_loss.")
@@ -143,6 +145,7 @@ class TrainConfig(StrictDataclass):
             inverse_surprisal_token_weight_epsilon=self.inverse_surprisal_token_weight_epsilon,
             zfree_reference_scale=self.zfree_reference_scale,
             token_aggregation_mode=self.reconstruction_loss_token_aggregation_mode,
+            sum_scale=self.reconstruction_loss_sum_scale,
         )
 
     def model_config(self):
@@ -202,15 +205,18 @@ RECONSTRUCTION_WEIGHT_FIELDS = (
 # One preset per arm of seed 001's pilot. Each sets all six reconstruction weights (absent = 0); alpha is
 # set only where the preset uses the surprisal-share token weights, else the config's alpha stays.
 # tokcc uses alpha 0.5: at alpha 1 nearly all of an example's weight sits on the one strategy-revealing
-# token, and the decoder's other tokens drift (README table: NMI 1 but exact match 0).
+# token, and the decoder's other tokens drift (README table: NMI 1 but exact match 0). tok (seed 002's raw
+# token-weighted term) and tokinv use the same alpha, so that the token-weighted presets compare at
+# matched alpha (seed 001, 004); tokinv kept alpha 1 before, which confounded tokcc against tokinv.
 # The hybrids keep the raw term at weight 1, so the decoder is trained on every token as in plain
 # likelihood training, and add one normalized term that keeps z in use under the KL.
 _W_RAW, _W_DIST, _W_EX, _W_TOK, _W_TOKCC, _W_TOKINV = RECONSTRUCTION_WEIGHT_FIELDS
 OBJECTIVE_PRESETS: dict[str, dict[str, float]] = {
     "raw": {_W_RAW: 1.0},
     "dist": {_W_DIST: 1.0},
+    "tok": {_W_TOK: 1.0, "token_weight_alpha": 0.5},
     "tokcc": {_W_TOKCC: 1.0, "token_weight_alpha": 0.5},
-    "tokinv": {_W_TOKINV: 1.0},
+    "tokinv": {_W_TOKINV: 1.0, "token_weight_alpha": 0.5},
     "ex": {_W_EX: 1.0},
     "raw+tokcc": {_W_RAW: 1.0, _W_TOKCC: 1.0, "token_weight_alpha": 0.5},
     "raw+dist": {_W_RAW: 1.0, _W_DIST: 1.0},
@@ -261,6 +267,45 @@ def matching_objective(config: dict[str, Any]) -> str:
         if all(config.get(f) == v for f, v in preset_values(name).items()):
             return name
     return CUSTOM_OBJECTIVE
+
+
+# The token-weighted terms (seed 002, 004): the terms whose value depends on token_weight_alpha.
+TOKEN_WEIGHTED_FIELDS = (_W_TOK, _W_TOKCC, _W_TOKINV)
+
+
+def aggregation_label(config: dict[str, Any]) -> str:
+    """The aggregation mode as tables show it: ``mean``, ``sum``, ``token``, or ``sum/C`` with a sum scale."""
+    mode = str(config.get("reconstruction_loss_token_aggregation_mode", TrainConfig.reconstruction_loss_token_aggregation_mode))
+    scale = config.get("reconstruction_loss_sum_scale")
+    return mode if scale is None else f"{mode}/{scale:g}"
+
+
+def token_weighting_confounds(configs: Iterable[dict[str, Any]]) -> list[str]:
+    """One warning per aggregation mode whose token-weighted arms differ in preset and also in alpha.
+
+    Seed 001/003 compare token-weighted presets (tok, tokcc, tokinv, raw+tokcc) at the same mode, alpha and
+    c_base; when the presets at one mode are not all run at the same set of alphas, some pair of arms differs
+    in both, and a difference between them may be alpha's. ``configs`` are a family's run params (resolved
+    here as ``zcvae train`` resolves them: preset weights and alpha, DEFAULT_OBJECTIVE when none is named)
+    or the resolved configs of run_config.json. Quiet when every preset has the same alphas.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    by_mode: dict[str, dict[str, set[float]]] = {}
+    for params in configs:
+        cfg = {**defaults, **expand_objective(dict(params), default=DEFAULT_OBJECTIVE)}
+        if not any(isinstance(cfg.get(f), (int, float)) and cfg[f] > 0 for f in TOKEN_WEIGHTED_FIELDS):
+            continue
+        alphas = by_mode.setdefault(aggregation_label(cfg), {}).setdefault(str(cfg.get("objective")), set())
+        alphas.add(float(cfg["token_weight_alpha"]))
+    messages = []
+    for mode, presets in by_mode.items():
+        if len(presets) > 1 and len({frozenset(a) for a in presets.values()}) > 1:
+            arms = "; ".join(f"{name} at alpha {', '.join(f'{a:g}' for a in sorted(alphas))}" for name, alphas in presets.items())
+            messages.append(
+                f"token-weighted arms at mode {mode} differ in preset and also in alpha ({arms}): the comparison of these "
+                f"presets is confounded by alpha; run every preset at the same alphas (token_weight_alpha)"
+            )
+    return messages
 
 
 def naming_defaults(params: dict[str, Any]) -> dict[str, Any]:
@@ -328,6 +373,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if not (0 <= cfg.kl_delay_fraction and 0 <= cfg.kl_ramp_fraction and cfg.kl_delay_fraction + cfg.kl_ramp_fraction <= 1):
         raise ValueError("kl_delay_fraction and kl_ramp_fraction must be >= 0 and sum to at most 1")
+    if cfg.reconstruction_loss_sum_scale is not None:
+        if cfg.reconstruction_loss_token_aggregation_mode != "sum":
+            raise ValueError(f"reconstruction_loss_sum_scale applies to reconstruction_loss_token_aggregation_mode sum only, "
+                             f"got mode {cfg.reconstruction_loss_token_aggregation_mode!r}")
+        if not cfg.reconstruction_loss_sum_scale > 0:
+            raise ValueError(f"reconstruction_loss_sum_scale must be > 0 or omitted, got {cfg.reconstruction_loss_sum_scale}")
     if cfg.zfree_reference_scale is not None and cfg.zfree_reference_scale <= 0:
         raise ValueError(f"zfree_reference_scale must be > 0, got {cfg.zfree_reference_scale}")
     if cfg.max_grad_norm is not None and cfg.max_grad_norm <= 0:

@@ -1,7 +1,7 @@
 """Shared by the engine tests and their torchrun worker: a tiny peft Llama, ragged data, the loop.
 
-The loop is the trainer's contract in miniature: count the valid examples of the optimizer step over
-all ranks first (one all-reduce), then per micro-batch a no-grad reference forward with adapters
+The loop is the trainer's contract in miniature: count the valid examples and the supervised tokens of
+the optimizer step over all ranks first (one all-reduce; tokens per example is the ``token`` mode's n_bar), then per micro-batch a no-grad reference forward with adapters
 disabled, the training forward, ``loss = local_sum / global_count`` and ``backward(sync=last)``.
 
 Global batch per step: ``NUM_EXAMPLES`` examples; rank r's micro-batch m holds examples
@@ -124,13 +124,20 @@ def collate(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids_BT, "attention_mask": attn_BT, "target_mask": target_mask_BT}
 
 
-def per_example_nll(logits_BTV: torch.Tensor, batch: dict[str, torch.Tensor], mode: str) -> torch.Tensor:
-    """Per-example NLL aggregated over its supervised tokens by ``mode`` -> (B,); 0 for an empty row."""
+def per_example_nll(logits_BTV: torch.Tensor, batch: dict[str, torch.Tensor], mode: str, mean_num_tokens=None) -> torch.Tensor:
+    """Per-example NLL aggregated over its supervised tokens by ``mode`` -> (B,); 0 for an empty row.
+    ``token`` divides each token sum by ``mean_num_tokens``, the step's global tokens per valid example."""
     logits_BNV = logits_BTV[:, :-1].float()
     targets_BN = batch["input_ids"][:, 1:]
     mask_BN = batch["target_mask"][:, 1:]
     nll_BN = torch.nn.functional.cross_entropy(logits_BNV.transpose(1, 2), targets_BN, reduction="none")
+    if mode == "token":
+        return aggregate(nll_BN, mask_BN, mode, divisor=mean_num_tokens)
     return aggregate(nll_BN, mask_BN, mode)
+
+
+def num_tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int(batch["target_mask"][:, 1:].sum())
 
 
 def num_valid(batch: dict[str, torch.Tensor]) -> int:
@@ -149,8 +156,9 @@ def run_steps(
     record: dict[str, list[float]] = {"loss": [], "ref": [], "grad_norm": []}
     for step in steps:
         batches = micro_batches(step, rank=engine.rank, world=engine.world_size, accumulation=accumulation)
-        local = torch.tensor([float(sum(num_valid(b) for b in batches))])
-        global_count = engine.all_reduce(local, "sum")[0]
+        local = torch.tensor([float(sum(num_valid(b) for b in batches)), float(sum(num_tokens(b) for b in batches))])
+        global_count, global_tokens = engine.all_reduce(local, "sum")
+        mean_num_tokens = global_tokens / global_count  # the `token` mode's n_bar, before any forward
         engine.set_learning_rates(lrs_at(step))
         loss_sum = torch.zeros(())
         ref_sum = torch.zeros(())
@@ -161,8 +169,8 @@ def run_steps(
             # adapters_disabled (as ZCVAE._reference uses), not peft's disable_adapter(): peft's
             # context also toggles requires_grad, which the engines no longer guard against.
             with torch.no_grad(), adapters_disabled(engine.model):
-                ref_B = per_example_nll(engine.module(**inputs).logits, batch, mode)
-            loss = per_example_nll(engine.module(**inputs).logits, batch, mode).sum() / global_count
+                ref_B = per_example_nll(engine.module(**inputs).logits, batch, mode, mean_num_tokens)
+            loss = per_example_nll(engine.module(**inputs).logits, batch, mode, mean_num_tokens).sum() / global_count
             engine.backward(loss, sync=m == len(batches) - 1)
             loss_sum += loss.detach()
             ref_sum += ref_B.sum() / global_count

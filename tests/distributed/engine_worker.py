@@ -44,6 +44,7 @@ def scenarios(zero3_path: str) -> dict[str, dict]:
     }.items():
         out[f"{name}-mean"] = {"config": cfg, "mode": "mean", "checkpoint": True}
         out[f"{name}-sum"] = {"config": cfg, "mode": "sum", "checkpoint": False}
+        out[f"{name}-token"] = {"config": cfg, "mode": "token", "checkpoint": False}
     out["zero0-mean"] = {"config": ds("zero0"), "mode": "mean", "checkpoint": False}
     out["zero1-mean"] = {"config": ds("zero1"), "mode": "mean", "checkpoint": False}
     out["zero3gc-mean"] = {"config": ds(zero3_path, gradient_checkpointing=True), "mode": "mean", "checkpoint": False}

@@ -38,7 +38,7 @@ ATOL = 1e-5
 
 ENGINES = ["ddp", "zero2", "zero3", "fsdp2"]
 WORLD1_SCENARIOS = ["zero3-mean", "fsdp2-mean"]
-MODES = ["mean", "sum"]
+MODES = ["mean", "sum", "token"]
 
 
 def _baseline_run(mode: str, *, checkpoint_dir: str | None = None) -> tuple[dict, dict]:

@@ -9,6 +9,7 @@ statistics, c_base, the engines, metric reduction and the final evaluation, for
 
     engine             mode   reference      world-1 baseline
     local (DDP)        mean   online         w1-mean
+    local (DDP)        token  online         w1-token   (the global token mean: n_bar all-reduced)
     deepspeed zero2    sum    precomputed    w1-sum
     deepspeed zero3    mean   online         w1-mean
     fsdp2              sum    precomputed    w1-sum
@@ -98,7 +99,9 @@ RUNS = {r.name: r for r in [
     # world-1 baselines first: every comparison needs one of them
     Run("w1-mean", "mean", "online", world=1),
     Run("w1-sum", "sum", "precomputed", world=1),
+    Run("w1-token", "token", "online", world=1),
     Run("local-mean", "mean", "online", baseline="w1-mean"),
+    Run("local-token", "token", "online", baseline="w1-token"),
     Run("zero2-sum", "sum", "precomputed", ("--engine", "deepspeed", "--deepspeed-config", "zero2"), baseline="w1-sum"),
     Run("zero3-mean", "mean", "online", ("--engine", "deepspeed", "--deepspeed-config", "zero3"), baseline="w1-mean"),
     Run("fsdp2-sum", "sum", "precomputed", ("--engine", "fsdp2"), baseline="w1-sum"),
@@ -107,7 +110,7 @@ RUNS = {r.name: r for r in [
         gradient_checkpointing=True, baseline="w1-gc-mean", extra=GC_LRS),
     Run("fsdp2-sum-2nodes", "sum", "precomputed", ("--engine", "fsdp2"), two_nodes=True, baseline="fsdp2-sum"),
 ]}
-PAIRS = ["local-mean", "zero2-sum", "zero3-mean", "fsdp2-sum"]
+PAIRS = ["local-mean", "local-token", "zero2-sum", "zero3-mean", "fsdp2-sum"]
 
 
 def _train_args(run: Run, *, backbone: Path, root: Path) -> list:

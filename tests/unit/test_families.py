@@ -117,3 +117,63 @@ def test_late_decisions_config_is_the_first_arm_of_late_pool_support():
     for key, value in arm.items():
         assert getattr(cfg, key) == value, key
     assert cfg.distribution_normalized_reconstruction_weight == 1.0 and cfg.reconstruction_weight == 1.0
+
+
+def _trained(path):
+    """The resolved `zcvae train` config of every run of a family, read back from its rendered SLURM script."""
+    family = load_family(path)
+    defaults, _ = resolve_defaults(family, source="config")
+    runs = plan_runs(family, defaults, check_known_fields=True)
+    template = DEFAULT_TEMPLATE.read_text()
+    slurm = SlurmSettings.from_dict(family.get("slurm"))
+    cfgs = []
+    for run in runs:
+        script = render_script(template_text=template, run=run, slurm=slurm, log_dir="/tmp/logs")
+        cfg = resolve_train_config(build_parser().parse_args(["train", *recover_train_args(script)]))
+        assert cfg.run_name == run.name
+        cfgs.append(cfg)
+    return cfgs
+
+
+def test_token_weighting_family_is_matched_alpha_on_the_late_decision_tasks():
+    """tok, tokcc and tokinv at alpha 0.5 and 1, mean and sum, 3 seeds, on sort3 (pooled posterior) and mul,
+    K = 3 with each task (issue 21, item 2), and no arm confounds preset with alpha."""
+    from zcvae.commands.sweep import confound_warnings
+
+    cfgs = _trained(FAMILIES / "token-weighting.yaml")
+    arms = {(c.task, c.objective, c.token_weight_alpha, c.reconstruction_loss_token_aggregation_mode, c.seed) for c in cfgs}
+    assert arms == {(t, o, a, m, s) for t in ("sort3", "mul") for o in ("tok", "tokcc", "tokinv")
+                    for a in (0.5, 1.0) for m in ("mean", "sum") for s in SEEDS}
+    assert len(cfgs) == len(arms) == 72
+    assert {(c.task, c.num_latents, c.posterior_pooling) for c in cfgs} == {("sort3", 3, "mean"), ("mul", 3, "last")}
+    for c in cfgs:
+        weighted = {f for f in RECONSTRUCTION_WEIGHT_FIELDS if getattr(c, f) > 0}
+        assert weighted == {f for f, v in preset_values(c.objective).items() if f in RECONSTRUCTION_WEIGHT_FIELDS and v > 0}
+    family = load_family(FAMILIES / "token-weighting.yaml")
+    runs = local_plan(family, output_dir="/tmp/tw")
+    assert confound_warnings(runs) == []
+    # dropping tokinv's alpha 0.5 arms would confound the family: the warning would fire
+    assert confound_warnings([r for r in runs if not (r.params["objective"] == "tokinv" and r.params["token_weight_alpha"] == 0.5)])
+
+
+def test_aggregation_family_is_seed_000s_four_arm_ablation():
+    """mean, token, sum and sum / C, each with raw and dist, with and without kl-weight-scale tokens, 3 seeds, on
+    sort (K 2) and sort3 (K 3, pooled posterior); C near each task's mean supervised length; mean stays default."""
+    cfgs = _trained(FAMILIES / "aggregation.yaml")
+    arms = {(c.task, c.reconstruction_loss_token_aggregation_mode, c.reconstruction_loss_sum_scale, c.objective,
+             c.kl_weight_scale, c.seed) for c in cfgs}
+    scale = {"sort": 14.0, "sort3": 16.0}
+    assert arms == {(t, m, s, o, k, seed) for t in ("sort", "sort3")
+                    for m, s in (("mean", None), ("token", None), ("sum", None), ("sum", scale[t]))
+                    for o in ("raw", "dist") for k in ("none", "tokens") for seed in SEEDS}
+    assert len(cfgs) == len(arms) == 96
+    assert {(c.task, c.num_latents, c.posterior_pooling) for c in cfgs} == {("sort", 2, "last"), ("sort3", 3, "mean")}
+    names = {c.run_name for c in cfgs}
+    assert len(names) == 96 and any("agg-token_" in n for n in names) and any("_sumscale-16_" in n for n in names)
+    assert TrainConfig.reconstruction_loss_token_aggregation_mode == "mean"
+    # C is about the validation mean of n_i of its task (y tokens + </y>), so sum / C has the per-token scale
+    from zcvae.data.tasks import make_examples
+
+    for task, c in scale.items():
+        mean_n = sum(len(ex.y.split()) + 1 for ex in make_examples(task, seed=0, split="val", num_examples=300)) / 300
+        assert abs(mean_n - c) < 1.0, (task, mean_n)

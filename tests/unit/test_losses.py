@@ -58,9 +58,13 @@ def make_batch(*, K: int, seed: int, B: int = 7, N: int = 9, garbage: bool = Tru
     return l_BKN, q_BK, b_BN, mask_BN
 
 
-def loop_reference(l_BKN, q_BK, b_BN, mask_BN, *, c_base, cfg):
-    """Plain per-example loops in Python floats, written from seeds 001/003/004."""
+def loop_reference(l_BKN, q_BK, b_BN, mask_BN, *, c_base, cfg, mean_num_tokens=None):
+    """Plain per-example loops in Python floats, written from seeds 001/003/004 (and issue 21: ``token``
+    divides the token sum by the global batch's n_bar, a scaled ``sum`` by C, its c_base given per sequence)."""
     mode, alpha = cfg.token_aggregation_mode, cfg.token_weight_alpha
+    divisor = mean_num_tokens if mode == "token" else (cfg.sum_scale or 1.0)
+    if mode == "sum" and cfg.sum_scale is not None:
+        c_base = c_base / cfg.sum_scale
     B, K, N = l_BKN.shape
     out = {name: [] for name in (*RECONSTRUCTION_TERMS, *DIAGNOSTIC_REDUCTIONS)}
     for i in range(B):
@@ -73,11 +77,11 @@ def loop_reference(l_BKN, q_BK, b_BN, mask_BN, *, c_base, cfg):
         b = [max(float(b_BN[i, t]), 0.0) for t in S]
 
         def A(v):
-            return sum(v) / n if mode == "mean" else sum(v)
+            return sum(v) / n if mode == "mean" else sum(v) / divisor
 
         def W(v, w):
             s = sum(wt * vt for wt, vt in zip(w, v))
-            return s if mode == "mean" else n * s
+            return s if mode == "mean" else n * s / divisor
 
         degenerate = all(bt == 0.0 for bt in b)
         if degenerate:
@@ -128,9 +132,10 @@ def loop_reference(l_BKN, q_BK, b_BN, mask_BN, *, c_base, cfg):
     return {name: torch.tensor(v, dtype=torch.float64) for name, v in out.items()}
 
 
-def terms_for(l_BKN, q_BK, b_BN, mask_BN, *, c_base=0.7, **cfg_kwargs):
+def terms_for(l_BKN, q_BK, b_BN, mask_BN, *, c_base=0.7, mean_num_tokens=None, **cfg_kwargs):
     cfg = ReconstructionLossConfig(**cfg_kwargs)
-    return reconstruction_terms(token_nll=l_BKN, posterior=q_BK, ref_nll=b_BN, mask=mask_BN, c_base=c_base, config=cfg)
+    return reconstruction_terms(token_nll=l_BKN, posterior=q_BK, ref_nll=b_BN, mask=mask_BN, c_base=c_base, config=cfg,
+                                mean_num_tokens=mean_num_tokens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -515,3 +520,151 @@ def test_reductions_table_is_complete():
     assert DIAGNOSTIC_REDUCTIONS["base_loss"] == "min"
     assert not set(DIAGNOSTIC_REDUCTIONS) & set(RECONSTRUCTION_TERMS)
     assert math.isclose(len(RECONSTRUCTION_TERMS), 6)
+
+
+# ----------------------------------------------------------------------------------------------
+# The global token mean (`token`) and the fixed-scale sum (issue 21, seed 000)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_token_mode_by_hand():
+    """Two examples of 1 and 3 tokens, K = 1: n_bar = 4 / 2 = 2 supervised tokens per example."""
+    l_BKN = torch.tensor([[[4.0, 0.0, 0.0]], [[1.0, 2.0, 3.0]]], dtype=torch.float64)
+    b_BN = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 2.0]], dtype=torch.float64)
+    mask_BN = torch.tensor([[True, False, False], [True, True, True]])
+    q_BK = torch.ones(2, 1, dtype=torch.float64)
+    cfg = ReconstructionLossConfig(token_aggregation_mode="token", token_weight_alpha=1.0)
+    c_base = 1.25  # (1 + 4) / 4 tokens: the global token mean of b (reference/c_base.py, tested there)
+    got = reconstruction_terms(token_nll=l_BKN, posterior=q_BK, ref_nll=b_BN, mask=mask_BN, c_base=c_base, config=cfg,
+                               mean_num_tokens=2.0)
+    raw = got["reconstruction_loss"]
+    torch.testing.assert_close(raw, torch.tensor([4.0 / 2, 6.0 / 2], dtype=torch.float64))
+    # the batch's example mean is the global token mean (4 + 1 + 2 + 3) / 4 = 2.5, not the per-example
+    # token mean (4 + 2) / 2 = 3 of mode mean, nor the example mean of sums (4 + 6) / 2 = 5 of mode sum
+    assert float(raw.mean()) == pytest.approx(2.5)
+    torch.testing.assert_close(got["distribution_normalized_reconstruction_loss"], raw / 1.25)
+    # pi = (1) and (1/4, 1/4, 1/2); W_token = n_i * sum_t pi l / n_bar: 1 * 4 / 2 and 3 * 2.25 / 2
+    torch.testing.assert_close(got["token_weighted_reconstruction_loss"], torch.tensor([2.0, 3.375], dtype=torch.float64))
+    # kappa = W_token(b) / A_token(b): (1/2) / (1/2) and (3 * 1.5 / 2) / (4 / 2)
+    torch.testing.assert_close(got["token_concentration_factor"], torch.tensor([1.0, 1.125], dtype=torch.float64))
+    torch.testing.assert_close(got["normalized_concentration_corrected_token_weighted_reconstruction_loss"],
+                               torch.tensor([2.0 / 1.0 / 1.25, 3.375 / 1.125 / 1.25], dtype=torch.float64))
+    torch.testing.assert_close(got["base_loss"], torch.tensor([0.5, 2.0], dtype=torch.float64))
+    torch.testing.assert_close(got["example_inverse_surprisal_weighted_reconstruction_loss"],
+                               torch.tensor([2.0 / (0.5 + 0.01), 3.0 / (2.0 + 0.01)], dtype=torch.float64))
+    # a 0-dim tensor n_bar (what the trainer passes) gives the same
+    again = reconstruction_terms(token_nll=l_BKN, posterior=q_BK, ref_nll=b_BN, mask=mask_BN, c_base=c_base, config=cfg,
+                                 mean_num_tokens=torch.tensor(2.0))
+    for name in RECONSTRUCTION_TERMS:
+        torch.testing.assert_close(again[name], got[name], msg=name)
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+@pytest.mark.parametrize("mode, sum_scale", [("token", None), ("sum", 16.0)])
+def test_token_and_scaled_sum_match_loop_reference(mode, sum_scale, alpha):
+    l_BKN, q_BK, b_BN, mask_BN = make_batch(K=3, seed=int(alpha * 10) + 500)
+    cfg = ReconstructionLossConfig(token_aggregation_mode=mode, token_weight_alpha=alpha, sum_scale=sum_scale)
+    got = reconstruction_terms(token_nll=l_BKN, posterior=q_BK, ref_nll=b_BN, mask=mask_BN, c_base=0.37, config=cfg,
+                               mean_num_tokens=3.7)
+    want = loop_reference(l_BKN, q_BK, b_BN, mask_BN, c_base=0.37, cfg=cfg, mean_num_tokens=3.7)
+    for name, value in got.items():
+        torch.testing.assert_close(value.double(), want[name], rtol=2e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_token_mode_alpha_zero_is_uniform_and_kappa_mode_free(alpha):
+    l_BKN, q_BK, b_BN, mask_BN = make_batch(K=2, seed=71)
+    token = terms_for(l_BKN, q_BK, b_BN, mask_BN, token_aggregation_mode="token", token_weight_alpha=alpha, mean_num_tokens=3.0)
+    mean = terms_for(l_BKN, q_BK, b_BN, mask_BN, token_aggregation_mode="mean", token_weight_alpha=alpha)
+    for key in ("token_concentration_factor", "inverse_token_base_scale_factor"):
+        torch.testing.assert_close(token[key], mean[key])
+    if alpha == 0.0:
+        torch.testing.assert_close(token["token_weighted_reconstruction_loss"], token["reconstruction_loss"])
+
+
+def _token_terms(l_BKN, q_BK, b_BN, mask_BN, mean_num_tokens, c_base=0.8):
+    cfg = ReconstructionLossConfig(token_aggregation_mode="token", token_weight_alpha=1.0)
+    return reconstruction_terms(token_nll=l_BKN, posterior=q_BK, ref_nll=b_BN, mask=mask_BN, c_base=c_base, config=cfg,
+                                mean_num_tokens=mean_num_tokens)
+
+
+@pytest.mark.parametrize("world, accumulation", [(1, 1), (1, 2), (2, 2), (4, 2)])
+def test_token_mode_is_exact_over_ranks_and_micro_batches(world, accumulation):
+    """The trainer's reduction: every micro-batch adds local_sum / global_count of its per-example terms,
+    with n_bar = (global supervised tokens) / global_count counted before the forwards. Whatever the split
+    of the global batch, the sum is the global token mean sum_i sum_t q l / sum_i n_i, and so is its gradient;
+    an n_bar of each micro-batch's own tokens would not be (checked last, so this test can fail)."""
+    l_BKN, q_BK, b_BN, mask_BN = make_batch(K=2, seed=81, B=8, garbage=False)
+    mask_BN[5, :2] = True  # every example valid, as the trainer's batches are (lengths stay ragged)
+    l_BKN.requires_grad_(True)
+    global_count = float(mask_BN.any(-1).sum())
+    global_tokens = float(mask_BN.sum())
+    n_bar = torch.tensor(global_tokens / global_count)
+
+    by_hand = ((q_BK[:, :, None] * l_BKN) * mask_BN[:, None, :]).sum() / global_tokens
+    want_grad, = torch.autograd.grad(by_hand, l_BKN)
+
+    size = 8 // (world * accumulation)
+    total = torch.zeros((), dtype=torch.float64)
+    for start in range(0, 8, size):  # (rank, micro-batch) pairs: the engines sum their gradients
+        sl = slice(start, start + size)
+        terms = _token_terms(l_BKN[sl], q_BK[sl], b_BN[sl], mask_BN[sl], n_bar)
+        total = total + terms["reconstruction_loss"].sum().double() / global_count
+    got_grad, = torch.autograd.grad(total, l_BKN)
+    assert float(total.detach()) == pytest.approx(float(by_hand.detach()), rel=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-8)
+    # the normalised term is that mean over the global token mean of b, c_base[token]
+    dist = sum(_token_terms(l_BKN[s : s + size], q_BK[s : s + size], b_BN[s : s + size], mask_BN[s : s + size], n_bar)
+               ["distribution_normalized_reconstruction_loss"].sum() for s in range(0, 8, size)) / global_count
+    assert float(dist.detach()) == pytest.approx(float(by_hand.detach()) / 0.8, rel=1e-6)
+    if size < 8:
+        local = sum(_token_terms(l_BKN[s : s + size], q_BK[s : s + size], b_BN[s : s + size], mask_BN[s : s + size],
+                                 float(mask_BN[s : s + size].sum()) / size)["reconstruction_loss"].sum()
+                    for s in range(0, 8, size)) / global_count
+        assert float(local.detach()) != pytest.approx(float(by_hand.detach()), rel=1e-5)
+
+
+def test_token_mode_gradcheck():
+    l_BKN, q_BK, b_BN, mask_BN = make_batch(K=2, seed=91, B=7, N=5, garbage=False)
+    l_BKN = l_BKN.double().requires_grad_(True)
+    q_BK = q_BK.double().requires_grad_(True)
+
+    def fn(l, q):
+        out = _token_terms(l, q, b_BN.double(), mask_BN, 2.5)
+        return tuple(out[name] for name in RECONSTRUCTION_TERMS)
+
+    assert torch.autograd.gradcheck(fn, (l_BKN, q_BK))
+
+
+def test_sum_scale_divides_raw_tok_ex_and_leaves_normalised_terms():
+    l_BKN, q_BK, b_BN, mask_BN = make_batch(K=3, seed=33)
+    plain = terms_for(l_BKN, q_BK, b_BN, mask_BN, token_aggregation_mode="sum", token_weight_alpha=1.0)
+    scaled = terms_for(l_BKN, q_BK, b_BN, mask_BN, token_aggregation_mode="sum", token_weight_alpha=1.0, sum_scale=16.0)
+    for name in ("reconstruction_loss", "token_weighted_reconstruction_loss", "base_loss"):
+        torch.testing.assert_close(scaled[name], plain[name] / 16.0, msg=name)
+    for name in ("distribution_normalized_reconstruction_loss",
+                 "normalized_concentration_corrected_token_weighted_reconstruction_loss",
+                 "normalized_inverse_surprisal_token_weighted_reconstruction_loss", "token_concentration_factor"):
+        torch.testing.assert_close(scaled[name], plain[name], msg=name)
+    ex = "example_inverse_surprisal_weighted_reconstruction_loss"
+    assert not torch.allclose(scaled[ex], plain[ex])  # epsilon is in the scaled units
+
+
+def test_token_mode_and_sum_scale_are_refused_without_what_they_need():
+    l_BKN, q_BK, b_BN, mask_BN = make_batch(K=2, seed=7)
+    cfg = ReconstructionLossConfig(token_aggregation_mode="token")
+    good = dict(token_nll=l_BKN, posterior=q_BK, ref_nll=b_BN, mask=mask_BN, c_base=0.5, config=cfg)
+    for bad in (None, 0.0, -1.0, float("nan"), torch.tensor([2.0])):
+        with pytest.raises(ValueError, match="mean_num_tokens"):
+            reconstruction_terms(**good, mean_num_tokens=bad)
+    with pytest.raises(ValueError, match="token"):
+        aggregate(b_BN, mask_BN, "token")
+    with pytest.raises(ValueError, match="sum_scale"):
+        ReconstructionLossConfig(token_aggregation_mode="mean", sum_scale=4.0)
+    for bad in (0.0, -2.0, float("inf")):
+        with pytest.raises(ValueError, match="sum_scale"):
+            ReconstructionLossConfig(token_aggregation_mode="sum", sum_scale=bad)
+    # mean and sum ignore n_bar: the trainer passes it in every mode
+    mean_cfg = ReconstructionLossConfig()
+    torch.testing.assert_close(reconstruction_terms(**{**good, "config": mean_cfg}, mean_num_tokens=3.0)["reconstruction_loss"],
+                               reconstruction_terms(**{**good, "config": mean_cfg})["reconstruction_loss"])

@@ -34,8 +34,9 @@ def weights(cfg):
 EXPECTED = {
     "raw": ({RAW: 1.0}, 1.0),
     "dist": ({DIST: 1.0}, 1.0),
+    "tok": ({TOK: 1.0}, 0.5),
     "tokcc": ({TOKCC: 1.0}, 0.5),
-    "tokinv": ({TOKINV: 1.0}, 1.0),
+    "tokinv": ({TOKINV: 1.0}, 0.5),  # issue 21: the alpha of tokcc, so the two compare at matched alpha
     "ex": ({EX: 1.0}, 1.0),
     "raw+tokcc": ({RAW: 1.0, TOKCC: 1.0}, 0.5),
     "raw+dist": ({RAW: 1.0, DIST: 1.0}, 1.0),
@@ -145,3 +146,103 @@ def test_aggregate_table_shows_objective_and_kl_schedule(tmp_path):
     assert rows[1]["objective"] == "dist" and rows[1]["beta"] == 3.0 and rows[1]["kl_schedule"] == "cyclical x4 0.3+0.2"
     header = format_table(rows).splitlines()[0]
     assert "| objective |" in header and "| beta | kl_schedule |" in header
+
+
+# ---- issue 21: matched alpha between the token-weighted presets ----------------------------------------------
+
+
+def _family(tmp_path, zip_group):
+    path = tmp_path / "family.yaml"
+    lines = ["base: {max_steps: 2, reconstruction_loss_token_aggregation_mode: mean}", "grid: {seed: [0, 1]}", "zip:", "  - " + json.dumps(zip_group)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("zip_group, confounded", [
+    # the confound the issue found: tokcc's preset alpha 0.5 against tokinv's old default alpha 1
+    ({"objective": ["tokcc", "tokinv"], "token_weight_alpha": [0.5, 1.0]}, True),
+    # tok against tokcc with an alpha only one of them has, in one mode
+    ({"objective": ["tok", "tokcc", "tok"], "token_weight_alpha": [0.5, 0.5, 1.0]}, True),
+    # matched: every preset at every alpha, or one preset at several alphas (the alpha family)
+    ({"objective": ["tok", "tokcc", "tok", "tokcc"], "token_weight_alpha": [0.5, 0.5, 1.0, 1.0]}, False),
+    ({"objective": ["tokcc", "tokcc"], "token_weight_alpha": [0.5, 2.0]}, False),
+    # the presets themselves now share alpha 0.5
+    ({"objective": ["tok", "tokcc", "tokinv", "dist"]}, False),
+    # different alphas, but in different modes: nothing is compared across modes
+    ({"objective": ["tokcc", "tokinv"], "token_weight_alpha": [0.5, 1.0],
+      "reconstruction_loss_token_aggregation_mode": ["mean", "sum"]}, False),
+    # a non-token-weighted preset's alpha is irrelevant
+    ({"objective": ["tokcc", "dist"], "token_weight_alpha": [0.5, 1.0]}, False),
+])
+def test_sweep_planning_warns_about_token_weighted_arms_at_unmatched_alpha(tmp_path, capsys, zip_group, confounded):
+    from zcvae.commands.sweep import local_main, main
+
+    path = _family(tmp_path, zip_group)
+    assert local_main([str(path), "--local", "--output-dir", str(tmp_path / "runs"), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert ("confounded by alpha" in err) is confounded, err
+    if confounded:
+        assert "differ in preset and also in alpha" in err and "mode mean" in err
+    # the SLURM planner says the same
+    assert main([str(path), "--out", str(tmp_path / "slurm"), "--dry-run"]) == 0
+    assert ("confounded by alpha" in capsys.readouterr().err) is confounded
+
+
+@pytest.mark.parametrize("alphas, confounded", [((0.5, 1.0), True), ((0.5, 0.5), False)])
+def test_aggregate_warns_about_token_weighted_arms_at_unmatched_alpha(tmp_path, alphas, confounded):
+    runs = []
+    for objective, alpha in zip(("tokcc", "tokinv"), alphas):
+        cfg = train_cfg("--objective", objective, "--token-weight-alpha", str(alpha)).to_dict()
+        runs.append(_write_run(tmp_path, objective, {**cfg, "run_name": objective}, 1.0, 0.5))
+    messages = []
+    rows = aggregate_runs(runs, warn=messages.append)
+    assert len(rows) == 2
+    assert any("tokcc at alpha 0.5" in m and f"tokinv at alpha {alphas[1]:g}" in m for m in messages) is confounded, messages
+    assert bool(messages) is confounded
+
+
+def test_aggregate_cli_prints_the_confound_warning(tmp_path, capsys):
+    from zcvae.commands.aggregate import main
+
+    runs = []
+    for objective, alpha in (("tok", "1"), ("tokcc", "0.5")):
+        cfg = train_cfg("--objective", objective, "--token-weight-alpha", alpha).to_dict()
+        runs.append(str(_write_run(tmp_path, objective, {**cfg, "run_name": objective}, 1.0, 0.5)))
+    assert main(runs) == 0
+    assert "confounded by alpha" in capsys.readouterr().err
+
+
+def test_token_mode_and_sum_scale_are_named_and_parse_back():
+    cfg = train_cfg("--objective", "dist", "--reconstruction-loss-token-aggregation-mode", "token", "--seed", "1")
+    name = train_run_name(cfg.to_dict())
+    assert name == "agg-token_obj-dist_seed-1"
+    assert parse_train_run_name(name)["reconstruction_loss_token_aggregation_mode"] == "token"
+    cfg = train_cfg("--objective", "raw", "--reconstruction-loss-token-aggregation-mode", "sum",
+                    "--reconstruction-loss-sum-scale", "16")
+    name = train_run_name(cfg.to_dict())
+    assert name == "agg-sum_sumscale-16_obj-raw"
+    back = parse_train_run_name(name)
+    assert back["reconstruction_loss_sum_scale"] == 16.0 and back["reconstruction_loss_token_aggregation_mode"] == "sum"
+    assert TrainConfig.from_dict({k: back[k] for k in ("objective", "reconstruction_loss_token_aggregation_mode",
+                                                       "reconstruction_loss_sum_scale")}).reconstruction_loss_sum_scale == 16.0
+    # a plain sum run and a scaled one cannot share a name
+    assert train_run_name(train_cfg("--objective", "raw", "--reconstruction-loss-token-aggregation-mode", "sum").to_dict()) \
+        == "agg-sum_obj-raw"
+
+
+def test_sum_scale_is_refused_outside_sum_mode_and_must_be_positive():
+    with pytest.raises(ValueError, match="reconstruction_loss_sum_scale applies to .* sum only"):
+        TrainConfig(reconstruction_loss_sum_scale=4.0)
+    with pytest.raises(ValueError, match="reconstruction_loss_sum_scale"):
+        TrainConfig(reconstruction_loss_token_aggregation_mode="sum", reconstruction_loss_sum_scale=0.0)
+    cfg = TrainConfig(reconstruction_loss_token_aggregation_mode="sum", reconstruction_loss_sum_scale=4.0)
+    assert cfg.reconstruction_config().sum_scale == 4.0
+
+
+def test_aggregate_mode_column_shows_token_and_the_sum_scale(tmp_path):
+    runs = []
+    for name, argv in (("tokenmode", ["--reconstruction-loss-token-aggregation-mode", "token"]),
+                       ("scaled", ["--reconstruction-loss-token-aggregation-mode", "sum", "--reconstruction-loss-sum-scale", "16"])):
+        cfg = train_cfg("--objective", "raw", *argv).to_dict()
+        runs.append(_write_run(tmp_path, name, {**cfg, "run_name": name}, 1.0, 0.5))
+    assert [row["mode"] for row in aggregate_runs(runs)] == ["token", "sum/16"]

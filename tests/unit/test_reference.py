@@ -302,6 +302,24 @@ def test_c_base_sum_mode_is_token_sum_per_example_then_mean():
     assert online.value == pytest.approx(c_sum.value, rel=1e-12)
 
 
+def test_c_base_token_mode_is_the_global_token_mean():
+    """c_base[token] = sum_i sum_t b_it / sum_i n_i over the validation set (issue 21), by hand, from any
+    split into batches; it differs from the mean of per-example means when lengths vary."""
+    examples = make_examples(7, seed=5)
+    values = compute_reference_store(PrefixMeanLM(), [collate(examples, TOKENS)], rank=0, world_size=1)
+    store = ReferenceStore.from_values(values, fingerprint="f" * 64)
+    ids = [ex.id for ex in examples]
+    assert len({len(values[i]) for i in ids}) > 1  # ragged lengths, else token and mean coincide
+    by_hand = sum(float(v) for i in ids for v in values[i]) / sum(len(values[i]) for i in ids)
+    c_token = c_base_from_store(store, ids, "token", chunk_size=3)
+    assert c_token.value == pytest.approx(by_hand, rel=1e-12) and c_token.mode == "token"
+    assert c_token.value != pytest.approx(c_base_from_store(store, ids, "mean").value, rel=1e-6)
+    pairs = [c_base_sum_count(*store.lookup(ids[s : s + 2]), "token") for s in range(0, 7, 2)]
+    assert sum(float(p[1]) for p in pairs) == sum(len(values[i]) for i in ids)
+    online = c_base_from_sum_count(sum(p[0] for p in pairs), sum(p[1] for p in pairs), mode="token", fingerprint="f" * 64)
+    assert online.value == pytest.approx(by_hand, rel=1e-12)
+
+
 def test_c_base_of_another_mode_or_fingerprint_is_never_reused():
     stored = CBase(value=0.5, mode="mean", fingerprint="aaa", source="validation")
     fresh = CBase(value=3.0, mode="sum", fingerprint="aaa", source="validation")
@@ -328,7 +346,7 @@ def test_c_base_of_another_mode_or_fingerprint_is_never_reused():
     with pytest.raises(ValueError, match="unknown keys"):
         CBase.from_dict({**user.to_dict(), "scale": 1})
     with pytest.raises(ValueError, match="mode"):
-        CBase(value=1.0, mode="token", fingerprint="aaa", source="user")
+        CBase(value=1.0, mode="median", fingerprint="aaa", source="user")
 
 
 # ------------------------------------------------------------------------------- two real ranks (gloo)
@@ -343,10 +361,10 @@ def _gloo_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         val = make_examples(7, seed=11)  # odd: 3 batches of 3 over 2 ranks -> rank 1 runs a padding batch
         items = list(iter_reference_batches(val, TOKENS, batch_size=3, rank=rank, world_size=world))
         values = compute_reference_store(module, items, rank=rank, world_size=world)
-        sums = torch.zeros(2, 2, dtype=torch.float64)  # rows mean/sum, columns (sum, count): the online c_base path
+        sums = torch.zeros(3, 2, dtype=torch.float64)  # rows mean/sum/token, columns (sum, count): the online c_base path
         for batch, keep in items:
             ref, mask = module(batch)
-            for m, mode in enumerate(("mean", "sum")):
+            for m, mode in enumerate(("mean", "sum", "token")):
                 if keep:
                     s, c = c_base_sum_count(ref, mask, mode)
                     sums[m] += torch.stack([s, c])
@@ -371,9 +389,9 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         assert {k[2:] for k in got if k.startswith("b/")} == set(single)  # every rank holds all b
         for ex_id, b in single.items():
             torch.testing.assert_close(got[f"b/{ex_id}"], b, rtol=0, atol=1e-6)
-        for m, mode in enumerate(("mean", "sum")):
+        for m, mode in enumerate(("mean", "sum", "token")):
             total, count = got["sums"][m].tolist()
-            assert count == 7
+            assert count == (sum(len(b) for b in single.values()) if mode == "token" else 7)
             want = c_base_from_store(store, [ex.id for ex in val], mode).value
             assert c_base_from_sum_count(total, count, mode=mode, fingerprint="s").value == pytest.approx(want, rel=1e-6)
 

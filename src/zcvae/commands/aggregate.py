@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from zcvae.config import RECONSTRUCTION_WEIGHT_FIELDS
+from zcvae.config import RECONSTRUCTION_WEIGHT_FIELDS, aggregation_label, token_weighting_confounds
 from zcvae.eval.verdict import judge, read_verdict
 from zcvae.runs.naming import ABBREVIATIONS
 
@@ -327,7 +327,9 @@ def aggregate_runs(
     string when every seed has the same, else each seed's joined by " / "), and one key per metric holding a
     ``Stat`` over the runs that report it (None when none does). A run directory listed twice counts once.
     With ``skip_bad`` an unreadable run is reported through ``warn(message)`` (default: stderr) and
-    left out; otherwise its RunLoadError propagates.
+    left out; otherwise its RunLoadError propagates. Token-weighted arms that differ in preset and also
+    in alpha at one mode are reported through ``warn`` too (``zcvae.config.token_weighting_confounds``).
+    ``mode`` shows a sum mode's fixed scale C as ``sum/C``.
     """
     metric_names = list(DEFAULT_METRICS if metrics is None else metrics)
     if warn is None:
@@ -347,6 +349,9 @@ def aggregate_runs(
                 raise
             warn(f"skipping run: {exc}")
 
+    for message in token_weighting_confounds(summary.config for summary in summaries):
+        warn(message)
+
     groups: dict[str, list[RunSummary]] = {}
     for index, summary in enumerate(summaries):
         key = _group_key(summary) if group_seeds else str(index)
@@ -358,7 +363,7 @@ def aggregate_runs(
         row: dict[str, Any] = {
             "name": _group_name(members),
             "latent": _config_cell(config, "latent_type"),
-            "mode": _config_cell(config, "reconstruction_loss_token_aggregation_mode"),
+            "mode": aggregation_label(config) if config.get("reconstruction_loss_token_aggregation_mode") else MISSING,
             "objective": _config_cell(config, "objective"),
             "recon": _reconstruction_weights(config),
             "alpha": _config_cell(config, "token_weight_alpha"),

@@ -60,6 +60,7 @@ from zcvae.runs.naming import AGGREGATION_MODE_FIELD, run_name
 __all__ = [
     "Run",
     "SlurmSettings",
+    "confound_warnings",
     "expand_family",
     "load_family",
     "local_main",
@@ -286,6 +287,16 @@ def _preset_defaults(defaults: Mapping[str, Any], params: Mapping[str, Any]) -> 
         return defaults
     name = params.get("objective")
     return {**defaults, **preset_values(name)} if name in OBJECTIVE_PRESETS else defaults
+
+
+def confound_warnings(runs: Sequence[Run]) -> list[str]:
+    """Warnings about the planned runs: token-weighted arms that differ in preset and also in alpha at one
+    mode (:func:`zcvae.config.token_weighting_confounds`). Printed by both planners; never fatal."""
+    try:
+        from zcvae.config import token_weighting_confounds
+    except ImportError:
+        return []
+    return token_weighting_confounds(run.params for run in runs)
 
 
 def plan_runs(
@@ -608,6 +619,8 @@ def local_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs = local_plan(load_family(args.family), output_dir=args.output_dir, task=args.task)
+        for message in confound_warnings(runs):
+            print(f"zcvae sweep: warning: {message}", file=sys.stderr)
         if args.dry_run:
             for run in runs:
                 print(f"{'finished' if run_finished(run) else 'to run  '}  {run.name}")
@@ -653,6 +666,8 @@ def _run(args: argparse.Namespace) -> int:
     family = load_family(args.family)
     defaults, source = resolve_defaults(family, source=args.defaults)
     runs = plan_runs(family, defaults, check_known_fields=source.startswith("config"))
+    for message in confound_warnings(runs):
+        print(f"warning: {message}", file=sys.stderr)
     slurm = SlurmSettings.from_dict(family.get("slurm"))
     out = Path(args.out)
     log_dir = slurm.log_dir or str((out / "logs").resolve())

@@ -11,7 +11,8 @@ Shape legend
     N  left-aligned supervised y-span positions (max span length in the batch, or ``n_span``)
 
 Units: NLL in nats per token. ``A_mean`` gives nats per supervised token, ``A_sum`` nats per
-sequence (see seed 001); every "mode units" below means whichever of the two is selected.
+sequence (see seed 001), ``A_token`` nats per supervised token of the global batch; every "mode
+units" below means whichever one is selected.
 
 Pipeline
     1. ``token_nll(logits_BTV, labels_BT) -> nll_BT`` (width T-1, Hugging Face shift: position t of
@@ -24,10 +25,20 @@ Pipeline
        config=cfg)`` -> dict of per-example [B] tensors.
     4. ``weighted_reconstruction(terms, cfg) -> [B]``: the reconstruction part of the objective.
 
-Aggregation (seed 001), over the supervised tokens S_i of example i, n_i = |S_i|:
-    A_mean(v_i) = (1/n_i) sum_t v_it          A_sum(v_i) = sum_t v_it
-    W_mean(v_i; w_i) = sum_t w_it v_it        W_sum(v_i; w_i) = n_i sum_t w_it v_it
-with token weights w_i summing to 1 over S_i; so alpha = 0 recovers A in either mode.
+Aggregation (seed 001, 000), over the supervised tokens S_i of example i, n_i = |S_i|:
+    A_mean(v_i) = (1/n_i) sum_t v_it          A_sum(v_i) = sum_t v_it / C
+    W_mean(v_i; w_i) = sum_t w_it v_it        W_sum(v_i; w_i) = n_i sum_t w_it v_it / C
+    A_token(v_i) = sum_t v_it / n_bar         W_token(v_i; w_i) = n_i sum_t w_it v_it / n_bar
+with token weights w_i summing to 1 over S_i; so alpha = 0 recovers A in every mode.
+    C      the fixed scale of the sum mode (``sum_scale``, Dr. GRPO's constant divisor; 1 when unset);
+    n_bar  (sum_j n_j) / (number of valid examples), over the *global* batch G of the optimizer step
+           (all ranks, all accumulation micro-batches): ``mean_num_tokens``, which the caller computes
+           (the trainer all-reduces the supervised-token count before the forwards).
+The batch reduction is an example mean in every mode, so under ``token`` it gives the global token
+mean of seed 000, (1/|G|) sum_i A_token(v_i) = sum_i sum_t v_it / sum_i n_i: each supervised token
+of the global batch weighs the same. ``token`` is the sum mode divided by n_bar, a constant within
+one step, so the token-weighted terms keep seed 001's n_i rule: an example's token weights only
+redistribute its n_i tokens' share of the global batch, and alpha = 0 gives A_token.
 
 Token weights, from the frozen z-free reference NLL b (clamped at 0, detached):
     pi_it  = b_it^alpha / sum_s b_is^alpha       (surprisal share; alpha = 0 uniform, 0^0 = 1)
@@ -35,11 +46,13 @@ Token weights, from the frozen z-free reference NLL b (clamped at 0, detached):
 An example whose b is 0 on every supervised token is *degenerate*: pi is uniform there, and the
 ``degenerate`` diagnostic flags it.
 
-Scale factors (identical under mean and sum, since the n_i factors cancel):
+Scale factors (identical in every mode, since the n_i, C and n_bar factors cancel):
     kappa_i = W(b_i; pi_i) / A(b_i)      eta_i = W(b_i; rho_i) / A(b_i)      (1 where A(b_i) = 0)
 
 Reconstruction terms (``RECONSTRUCTION_TERMS``, seed-003 order), q_ik posterior weights, l_ik the
-z-conditioned token NLL of branch k, c_base the mode-matched z-free reference scale:
+z-conditioned token NLL of branch k, c_base the mode-matched z-free reference scale, i.e. the
+validation value of E_i[A(b_i)] (``token``: sum_i sum_t b_it / sum_i n_i over the validation set; the
+``sum`` c_base is given per sequence and divided by C here, so the normalised terms do not depend on C):
     reconstruction_loss                        sum_k q_ik A(l_ik)
     distribution_normalized_reconstruction_loss
                                                reconstruction_loss / c_base
@@ -50,7 +63,9 @@ z-conditioned token NLL of branch k, c_base the mode-matched z-free reference sc
                                                sum_k q_ik W(l_ik; pi_i) / kappa_i / c_base
     normalized_inverse_surprisal_token_weighted_reconstruction_loss
                                                sum_k q_ik W(l_ik; rho_i) / eta_i / c_base
-Each is meant to be reduced as a mean over valid examples (``valid`` = 1 where n_i > 0).
+Each is meant to be reduced as a mean over valid examples (``valid`` = 1 where n_i > 0). Under
+``token`` the per-example values are shares of the global token mean: only their mean over the global
+batch G is a token mean of anything (the one n_bar of G must reach every micro-batch of the step).
 
 Diagnostics (same dict, per-example [B]); ``DIAGNOSTIC_REDUCTIONS`` says how to reduce each:
     "mean": sum over valid examples / number of valid examples;
@@ -106,7 +121,7 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-AGGREGATION_MODES = ("mean", "sum")
+AGGREGATION_MODES = ("mean", "sum", "token")
 
 RECONSTRUCTION_TERMS = (
     "reconstruction_loss",
@@ -186,8 +201,11 @@ class ReconstructionLossConfig(StrictDataclass):
     """A fixed c_base given by the user; None means c_base is calibrated on validation data in the
     selected mode."""
     token_aggregation_mode: str = "mean"
-    """"mean" (per-example token mean) or "sum" (per-example token sum); batch reduction is an example
-    mean either way."""
+    """"mean" (per-example token mean), "sum" (per-example token sum, divided by ``sum_scale``) or
+    "token" (per-example token sum divided by the global batch's mean length n_bar, so that the example
+    mean over the global batch is the global token mean); batch reduction is an example mean always."""
+    sum_scale: Optional[float] = None
+    """C, the fixed divisor of the sum mode (Dr. GRPO's constant; None = 1); only with mode "sum"."""
 
     def __post_init__(self) -> None:
         if self.token_aggregation_mode not in AGGREGATION_MODES:
@@ -206,6 +224,11 @@ class ReconstructionLossConfig(StrictDataclass):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
+        if self.sum_scale is not None:
+            if self.token_aggregation_mode != "sum":
+                raise ValueError(f"sum_scale applies to token_aggregation_mode 'sum' only, got mode {self.token_aggregation_mode!r}")
+            if not _is_real_number(self.sum_scale) or not math.isfinite(self.sum_scale) or self.sum_scale <= 0:
+                raise ValueError(f"sum_scale must be a finite number > 0 or None, got {self.sum_scale!r}")
         scale = self.zfree_reference_scale
         if scale is not None:
             if not _is_real_number(scale) or not math.isfinite(scale):
@@ -405,32 +428,51 @@ def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
-def aggregate(values_BN: torch.Tensor, mask_BN: torch.Tensor, mode: str) -> torch.Tensor:
+def _check_divisor(mode: str, divisor: Union[float, torch.Tensor, None]) -> None:
+    if mode == "token" and divisor is None:
+        raise ValueError("mode 'token' needs its divisor: n_bar, the global batch's supervised tokens per valid example")
+    if mode == "mean" and divisor is not None:
+        raise ValueError("mode 'mean' takes no divisor (it divides each example by its own n_i)")
+
+
+def aggregate(
+    values_BN: torch.Tensor, mask_BN: torch.Tensor, mode: str, *, divisor: Union[float, torch.Tensor, None] = None
+) -> torch.Tensor:
     """A_mode over the masked last dim -> [...] (leading dims kept; 0 for an empty row).
 
     ``values_BN`` may carry extra leading dims (e.g. [B, K, N]) as long as ``mask_BN`` broadcasts.
+    ``divisor``: the token sum is divided by it under ``sum`` (C; None = 1) and ``token`` (n_bar, required).
     """
     _check_mode(mode)
+    _check_divisor(mode, divisor)
     total = _masked(values_BN, mask_BN).sum(dim=-1)
-    if mode == "sum":
-        return total
+    if mode != "mean":
+        return total if divisor is None else total / divisor
     num = mask_BN.sum(dim=-1).clamp_min(1).to(total.dtype)
     return total / num
 
 
 def weighted_aggregate(
-    values_BN: torch.Tensor, weights_BN: torch.Tensor, mask_BN: torch.Tensor, mode: str
+    values_BN: torch.Tensor,
+    weights_BN: torch.Tensor,
+    mask_BN: torch.Tensor,
+    mode: str,
+    *,
+    divisor: Union[float, torch.Tensor, None] = None,
 ) -> torch.Tensor:
-    """W_mode: sum_t w_t v_t under mean, n * sum_t w_t v_t under sum -> [...].
+    """W_mode: sum_t w_t v_t under mean, n * sum_t w_t v_t / divisor under sum and token -> [...].
 
     ``weights_BN`` must already sum to 1 over the active tokens of each row (as returned by
     ``surprisal_share_weights`` / ``inverse_surprisal_weights``); it is not renormalised here.
+    ``divisor`` as in :func:`aggregate`.
     """
     _check_mode(mode)
+    _check_divisor(mode, divisor)
     total = _masked(values_BN * weights_BN, mask_BN).sum(dim=-1)
     if mode == "mean":
         return total
-    return total * mask_BN.sum(dim=-1).to(total.dtype)
+    total = total * mask_BN.sum(dim=-1).to(total.dtype)
+    return total if divisor is None else total / divisor
 
 
 def _reference(ref_nll_BN: torch.Tensor, mask_BN: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -438,9 +480,12 @@ def _reference(ref_nll_BN: torch.Tensor, mask_BN: torch.Tensor, dtype: torch.dty
     return _masked(ref_nll_BN.detach().to(dtype).clamp_min(0.0), mask_BN)
 
 
-def base_loss(ref_nll_BN: torch.Tensor, mask_BN: torch.Tensor, mode: str) -> torch.Tensor:
-    """A_mode(b_i) -> [B]; the mean of this over a validation set is the mode-matched c_base."""
-    return aggregate(_reference(ref_nll_BN, mask_BN, _compute_dtype(ref_nll_BN.dtype)), mask_BN, mode)
+def base_loss(
+    ref_nll_BN: torch.Tensor, mask_BN: torch.Tensor, mode: str, *, divisor: Union[float, torch.Tensor, None] = None
+) -> torch.Tensor:
+    """A_mode(b_i) -> [B]; the mean of this over a validation set is the mode-matched c_base (for
+    ``token`` with divisor = the validation set's n_bar; ``zcvae.reference.c_base`` reduces it exactly)."""
+    return aggregate(_reference(ref_nll_BN, mask_BN, _compute_dtype(ref_nll_BN.dtype)), mask_BN, mode, divisor=divisor)
 
 
 def _normalise(raw_BN: torch.Tensor, mask_BN: torch.Tensor) -> torch.Tensor:
@@ -551,6 +596,7 @@ def reconstruction_terms(
     mask: torch.Tensor,
     c_base: Union[float, torch.Tensor, None] = None,
     config: ReconstructionLossConfig,
+    mean_num_tokens: Union[float, torch.Tensor, None] = None,
 ) -> dict[str, torch.Tensor]:
     """The six reconstruction terms and the diagnostics, each a per-example [B] tensor.
 
@@ -561,9 +607,12 @@ def reconstruction_terms(
         ref_nll: b_BN, frozen z-free reference token NLL; detached and clamped at 0 here.
         mask: m_BN bool, supervised span slots.
         c_base: z-free reference scale in the selected mode (python float or 0-dim tensor, > 0);
-            defaults to ``config.zfree_reference_scale``.
-        config: weights are not used here (see ``weighted_reconstruction``), only alpha, epsilons
-            and the aggregation mode.
+            defaults to ``config.zfree_reference_scale``. Under ``sum`` it is per sequence (before C).
+        config: weights are not used here (see ``weighted_reconstruction``), only alpha, epsilons,
+            the aggregation mode and ``sum_scale``.
+        mean_num_tokens: n_bar, supervised tokens per valid example over the global batch (float or
+            0-dim tensor, > 0); required under ``token``, ignored otherwise (so a caller may always
+            pass it). It must be the same on every rank and micro-batch of one optimizer step.
 
     Gradients reach ``token_nll`` and ``posterior`` only. See the module docstring for the formulas
     and the keys.
@@ -587,12 +636,31 @@ def reconstruction_terms(
     c = _check_c_base(c_base, config)
     mode = config.token_aggregation_mode
     alpha = config.token_weight_alpha
+    divisor = None  # the n_bar of token mode, or the C of a scaled sum; None leaves mean/sum as they were
+    if mode == "token":
+        if mean_num_tokens is None:
+            raise ValueError("token_aggregation_mode 'token' needs mean_num_tokens: the global batch's supervised "
+                             "tokens per valid example, reduced over all ranks and micro-batches")
+        if isinstance(mean_num_tokens, torch.Tensor):
+            if mean_num_tokens.dim() != 0 or not mean_num_tokens.dtype.is_floating_point:
+                raise ValueError(f"mean_num_tokens must be a python float or a 0-dim float tensor, got "
+                                 f"{mean_num_tokens.dtype} {tuple(mean_num_tokens.shape)}")
+            divisor = mean_num_tokens.detach()
+        elif not _is_real_number(mean_num_tokens) or not math.isfinite(mean_num_tokens) or mean_num_tokens <= 0:
+            raise ValueError(f"mean_num_tokens must be finite and > 0, got {mean_num_tokens!r}")
+        else:
+            divisor = float(mean_num_tokens)
+    elif mode == "sum" and config.sum_scale is not None:
+        divisor = float(config.sum_scale)
+        c = c / divisor  # c_base is per sequence; E[A_sum(b)] / C is the scaled sum's own c_base
 
     dtype = _compute_dtype(token_nll.dtype, posterior.dtype)
     l_BKN = token_nll.to(dtype)
     q_BK = posterior.to(dtype)
     if isinstance(c, torch.Tensor):
         c = c.to(dtype)
+    if isinstance(divisor, torch.Tensor):
+        divisor = divisor.to(device=l_BKN.device, dtype=dtype)
     mask_B1N = mask[:, None, :]
     num_B = mask.sum(dim=-1).to(dtype)  # n_i
     valid_B = mask.any(dim=-1)
@@ -603,17 +671,17 @@ def reconstruction_terms(
     rho_BN = inverse_surprisal_weights(b_BN, mask, alpha, config.inverse_surprisal_token_weight_epsilon)
     pi_BN, rho_BN = pi_BN.to(dtype), rho_BN.to(dtype)
 
-    base_B = aggregate(b_BN, mask, mode)  # A(b_i)
-    tok_base_B = weighted_aggregate(b_BN, pi_BN, mask, mode)  # W(b_i; pi_i)
-    inv_base_B = weighted_aggregate(b_BN, rho_BN, mask, mode)  # W(b_i; rho_i)
+    base_B = aggregate(b_BN, mask, mode, divisor=divisor)  # A(b_i)
+    tok_base_B = weighted_aggregate(b_BN, pi_BN, mask, mode, divisor=divisor)  # W(b_i; pi_i)
+    inv_base_B = weighted_aggregate(b_BN, rho_BN, mask, mode, divisor=divisor)  # W(b_i; rho_i)
     has_base_B = base_B > 0
     safe_base_B = torch.where(has_base_B, base_B, torch.ones_like(base_B))
     kappa_B = torch.where(has_base_B, tok_base_B / safe_base_B, torch.ones_like(base_B))
     eta_B = torch.where(has_base_B, inv_base_B / safe_base_B, torch.ones_like(base_B))
 
-    raw_BK = aggregate(l_BKN, mask_B1N, mode)  # A(l_ik)
-    tok_BK = weighted_aggregate(l_BKN, pi_BN[:, None, :], mask_B1N, mode)  # W(l_ik; pi_i)
-    inv_BK = weighted_aggregate(l_BKN, rho_BN[:, None, :], mask_B1N, mode)  # W(l_ik; rho_i)
+    raw_BK = aggregate(l_BKN, mask_B1N, mode, divisor=divisor)  # A(l_ik)
+    tok_BK = weighted_aggregate(l_BKN, pi_BN[:, None, :], mask_B1N, mode, divisor=divisor)  # W(l_ik; pi_i)
+    inv_BK = weighted_aggregate(l_BKN, rho_BN[:, None, :], mask_B1N, mode, divisor=divisor)  # W(l_ik; rho_i)
     raw_B = (q_BK * raw_BK).sum(dim=-1)
     tok_B = (q_BK * tok_BK).sum(dim=-1)
     inv_B = (q_BK * inv_BK).sum(dim=-1)

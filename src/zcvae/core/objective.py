@@ -42,11 +42,15 @@ class AuxiliaryWeights:
 
 
 def per_example_objective(
-    out, *, ref_nll_BN: torch.Tensor, c_base, recon_config, kl_weight: float, aux: AuxiliaryWeights
+    out, *, ref_nll_BN: torch.Tensor, c_base, recon_config, kl_weight: float, aux: AuxiliaryWeights, mean_num_tokens=None
 ) -> dict[str, torch.Tensor]:
     """Every per-example term and diagnostic, plus ``loss`` (the per-example part of J), each ``[B]``.
 
     All six reconstruction terms and every diagnostic are returned whatever their weights (seed 003).
+    ``mean_num_tokens``: n_bar, the supervised tokens per valid example of the global batch (the
+    ``token`` aggregation mode's normaliser, see ``core.losses``; ignored by the other modes). With it,
+    ``local_sum / global_count`` of ``loss`` holds the reconstruction part as a global token mean and
+    the KL and auxiliaries as example means (seed 001: the mode touches reconstruction terms only).
     """
     terms = reconstruction_terms(
         token_nll=out.token_nll,
@@ -55,6 +59,7 @@ def per_example_objective(
         mask=out.mask,
         c_base=c_base,
         config=recon_config,
+        mean_num_tokens=mean_num_tokens,
     )
     recon_B = weighted_reconstruction(terms, recon_config)
     zero_B = torch.zeros_like(recon_B)

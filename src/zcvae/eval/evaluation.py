@@ -211,6 +211,9 @@ def _example_pass(*, engine, model, cfg, val, reference, indices, keep) -> list[
     recon_cfg = cfg.reconstruction_config()
     aux = AuxiliaryWeights.from_train_config(cfg)
     c_base = reference.c_base.value
+    # the `token` mode's n_bar over the whole validation set (every rank holds all of val), so that the
+    # example mean of the terms over the set is its global token mean, whatever the sharding
+    mean_num_tokens = sum(ex.num_supervised for ex in val) / max(len(val), 1)
     gaussian = cfg.latent_type != "discrete"
     batch_size = cfg.micro_batch_size
     records: list[dict] = []
@@ -229,7 +232,8 @@ def _example_pass(*, engine, model, cfg, val, reference, indices, keep) -> list[
         if ref_nll_BN.shape != out.mask.shape:
             raise RuntimeError(f"reference NLL has shape {tuple(ref_nll_BN.shape)}, the model's span mask {tuple(out.mask.shape)}")
         terms = per_example_objective(
-            out, ref_nll_BN=ref_nll_BN, c_base=c_base, recon_config=recon_cfg, kl_weight=cfg.effective_kl_weight, aux=aux
+            out, ref_nll_BN=ref_nll_BN, c_base=c_base, recon_config=recon_cfg, kl_weight=cfg.effective_kl_weight, aux=aux,
+            mean_num_tokens=mean_num_tokens,
         )
         terms_cpu = {name: value.detach().to("cpu", torch.float64) for name, value in terms.items()}
         mask_BN = out.mask.to("cpu")

@@ -12,7 +12,7 @@ from typing import Any
 def model_card(*, cfg, record: dict[str, Any], meta: dict[str, Any], metrics_step: int | None, metrics: dict[str, float]) -> str:
     c_base = record.get("c_base") or {}
     mode = cfg.reconstruction_loss_token_aggregation_mode
-    unit = "nats/token" if mode == "mean" else "nats/sequence"
+    unit = "nats/sequence" if mode == "sum" else "nats/token"  # token: per token of the whole validation set
     if cfg.latent_type == "discrete":
         latent = (f"a discrete latent with K = {cfg.num_latents} values: z is one of the learned tokens "
                   f"{', '.join(f'`<z_{k}>`' for k in range(min(cfg.num_latents, 8)))}{' ...' if cfg.num_latents > 8 else ''} "

@@ -1,6 +1,14 @@
 """c_base per aggregation mode (seed 001, 004): the validation mean of A_mode(b_i), reduced as a
 (sum, count) pair across ranks and recorded with its mode, fingerprint and source. Units: nats per
-token (mean) or nats per sequence (sum).
+token (mean), nats per sequence (sum) or nats per token of the whole validation set (token).
+
+One c_base per mode:
+    mean   (1/|V|) sum_i (1/n_i) sum_t b_it        pair (sum_i A_mean(b_i), |V|)
+    sum    (1/|V|) sum_i sum_t b_it                pair (sum_i A_sum(b_i),  |V|)
+    token  sum_i sum_t b_it / sum_i n_i            pair (sum_i A_sum(b_i),  sum_i n_i)
+The token value is E_i[A_token(b_i)] with n_bar the validation set's mean length, the global token
+mean of seed 000. A fixed sum scale C (``sum_scale``) does not get a c_base of its own: the loss
+divides the per-sequence sum c_base by C, so the normalised terms are exactly those of plain sum.
 """
 
 from __future__ import annotations
@@ -41,10 +49,10 @@ class CBase(StrictDataclass):
     """The z-free reference scale c_base and what it was computed for."""
 
     value: float
-    """Mean over the validation set of A_mode(b_i) (nats/token under mean, nats/sequence under sum),
-    or the user's ``zfree_reference_scale``."""
+    """Mean over the validation set of A_mode(b_i) (nats/token under mean and token, nats/sequence
+    under sum), or the user's ``zfree_reference_scale``."""
     mode: str
-    """Token aggregation mode the value belongs to: ``mean`` or ``sum`` (seed 001: never mixed)."""
+    """Token aggregation mode the value belongs to: ``mean``, ``sum`` or ``token`` (seed 001: never mixed)."""
     fingerprint: str
     """Digest of the validation reference (backbone, template, vocabulary, data) it was computed on;
     for a user value, the run's digest at the time (recorded, not checked)."""
@@ -66,16 +74,22 @@ class CBase(StrictDataclass):
 
 
 def c_base_sum_count(ref_nll_BN: torch.Tensor, mask_BN: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum_i A_mode(b_i), number of examples with a supervised token)`` of one batch, float64 scalars.
+    """``(sum_i A_mode(b_i), number of examples with a supervised token)`` of one batch, float64 scalars;
+    under ``token`` ``(sum_i sum_t b_it, sum_i n_i)`` (the global token mean's numerator and denominator).
 
     Accumulate over batches, all-reduce both (one ``all_reduce`` of the stacked pair) and finish with
     :func:`c_base_from_sum_count`. float64 keeps the result independent of the sharding to ~1e-15.
     """
     _check_mode(mode)
-    per_example_B = base_loss(ref_nll_BN.detach().to(torch.float64), mask_BN, mode)  # (B,)
     valid_B = mask_BN.any(dim=-1)
+    if mode == "token":
+        per_example_B = base_loss(ref_nll_BN.detach().to(torch.float64), mask_BN, "sum")  # (B,)
+        count = mask_BN.sum().to(torch.float64)
+    else:
+        per_example_B = base_loss(ref_nll_BN.detach().to(torch.float64), mask_BN, mode)  # (B,)
+        count = valid_B.sum().to(torch.float64)
     total = torch.where(valid_B, per_example_B, torch.zeros_like(per_example_B)).sum()
-    return total, valid_B.sum().to(torch.float64)
+    return total, count
 
 
 def c_base_from_sum_count(total: float | torch.Tensor, count: float | torch.Tensor, *, mode: str, fingerprint: str) -> CBase:

@@ -45,7 +45,7 @@ with its mode, the validation fingerprint and its source. A stored c_base of ano
 fingerprint is never reused (:func:`~zcvae.reference.c_base.resolve_c_base`).
 
 Shape legend: B examples, N left-aligned supervised positions (y tokens + ``</y>``), E examples in a
-store. Units: b in nats per token; c_base in nats per token (mean) or nats per sequence (sum).
+store. Units: b in nats per token; c_base in nats per token (mean, token) or nats per sequence (sum).
 """
 
 from __future__ import annotations

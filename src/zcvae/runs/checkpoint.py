@@ -25,8 +25,8 @@ writes the manifest of files the other ranks wrote.
 
 What may change on resume: ``max_steps``, logging and evaluation settings, the world size for the
 local and FSDP2 engines (DDP replicas hold full state; DCP reshards). What is refused, with a ValueError
-naming both values: a changed ``reconstruction_loss_token_aggregation_mode`` or c_base fingerprint (the
-objective would silently change), a different engine, a DeepSpeed world size change (ZeRO partitions
+naming both values: a changed ``reconstruction_loss_token_aggregation_mode``, ``reconstruction_loss_sum_scale``
+or c_base fingerprint (the objective would silently change), a different engine, a DeepSpeed world size change (ZeRO partitions
 do not reshard), and a changed latent or LoRA shape.
 
 Events: ``CheckpointManager(on_event=f)`` calls ``f("files_written", step)`` after every rank wrote
@@ -440,6 +440,11 @@ def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: di
             f"the objective and its mode-matched c_base would silently change. Resume with "
             f"--{AGGREGATION_MODE_FIELD.replace('_', '-')} {saved_mode} or start a new run."
         )
+    # the sum mode's fixed scale C changes the objective but not c_base's record (per sequence, before C)
+    scale_field = "reconstruction_loss_sum_scale"
+    if saved_cfg and saved_cfg.get(scale_field) != config.get(scale_field) and saved_mode == mode:
+        raise ValueError(f"{scale_field} changed: {where} was trained with {saved_cfg.get(scale_field)!r}, this run asks for "
+                         f"{config.get(scale_field)!r}; the objective would silently change. Resume with the old value or start a new run.")
     # before c_base: a changed latent changes c_base's fingerprint too, which would blame the backbone or data
     for name in STRUCTURAL_FIELDS:
         if name in saved_cfg and name in config and saved_cfg[name] != config[name]:

@@ -9,7 +9,8 @@ A name is a sequence of ``key-value`` parts joined by ``_``, e.g. ``agg-sum_dist
 - Parts appear in a fixed order (:data:`ABBREVIATIONS` order, then other fields sorted by name, ``seed``
   last), so the same parameters always give the same name.
 - The aggregation mode (``reconstruction_loss_token_aggregation_mode``) is always present, even at its
-  default, so a ``mean`` run and a ``sum`` run can never share a name (seed 001).
+  default, so a ``mean``, a ``sum`` and a ``token`` run can never share a name (seed 001): ``agg-mean``,
+  ``agg-sum``, ``agg-token``; a fixed sum scale C follows it as ``sumscale-C`` (``agg-sum_sumscale-16``).
 
 Values are written losslessly and read back with the type of the default value:
 
@@ -65,6 +66,7 @@ AGGREGATION_MODE_FIELD = "reconstruction_loss_token_aggregation_mode"
 # Order matters: it is the order of the parts in a name.
 ABBREVIATIONS: dict[str, str] = {
     AGGREGATION_MODE_FIELD: "agg",
+    "reconstruction_loss_sum_scale": "sumscale",
     "objective": "obj",
     "task": "task",
     "latent_type": "lat",

@@ -346,12 +346,16 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
         indices = global_batch_indices(num_examples=len(train_enc), global_batch_size=global_batch, step=step, seed=cfg.seed)
         micro = rank_micro_batches(indices, micro_batch_size=cfg.micro_batch_size, accumulation_steps=cfg.gradient_accumulation_steps, rank=info.rank, world_size=info.world_size)
         batches = [collate([train_enc[i] for i in mb], model.tokens, num_z_slots=num_slots).to(info.device) for mb in micro]
-        # the global count of valid examples, before any forward (every kept example has n_i >= 1)
-        global_count = engine.all_reduce(torch.tensor(float(sum(len(b) for b in batches)), device=info.device))
+        # the global counts of valid examples and of supervised tokens, before any forward (every kept
+        # example has n_i >= 1); tokens per example is the `token` mode's normaliser (core.losses)
+        local_counts = [float(sum(len(b) for b in batches)), float(sum(int(b.num_supervised.sum()) for b in batches))]
+        global_count, global_tokens = engine.all_reduce(torch.tensor(local_counts, device=info.device))
+        mean_num_tokens = global_tokens / global_count.clamp_min(1)
         for m, batch in enumerate(batches):
             ref_nll_BN = reference.ref_nll(engine, batch)  # before the training forward (ZeRO-3 ordering)
             out = engine.module(batch, mode="train")
-            terms = per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=reference.c_base.value, recon_config=recon_cfg, kl_weight=beta, aux=aux)
+            terms = per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=reference.c_base.value, recon_config=recon_cfg, kl_weight=beta, aux=aux,
+                                          mean_num_tokens=mean_num_tokens)
             loss = terms["loss"].sum() / global_count
             if out.posterior is not None:
                 local_q_K = (out.posterior * terms["valid"][:, None]).sum(0)
