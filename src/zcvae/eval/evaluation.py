@@ -31,6 +31,8 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
   per-latent purity, best one-to-one latent->strategy matching accuracy, parse rate, answer
   accuracy). ``exact_match`` is the fraction of x whose decode under the posterior's argmax latent
   equals the gold y token for token (and closes with ``</y>``); without a parser only that decode runs.
+  ``closure_rate`` is the share of all decodes (every latent row) that emit ``</y>`` within the steps:
+  a decoder whose ``</y>`` row never trained (a backbone without the markers) never closes y.
   Gaussian latent: controllability over latents is undefined, so each x is decoded once with z = the
   posterior mean mu(x, y): ``exact_match`` (reconstruction), and with a parser the parse rate, answer
   accuracy and agreement with the gold strategy of those decodes.
@@ -574,6 +576,8 @@ def summarize(
         ctrl_records = _control_records(decodes, val=val, tokenizer=tokenizer, task=task, map_latent=map_latent)
         exact = [float(r["exact_match"]) for r in ctrl_records if "exact_match" in r]
         scalars["exact_match"] = float(np.mean(exact))
+        # every decoded row (each latent of each x): a decoder that cannot emit </y> never stops
+        scalars["closure_rate"] = float(np.mean([bool(d["closed"]) for d in decodes]))
         if task is not None:
             ctrl = controllability_metrics(ctrl_records)
             scalars["control/parse_rate"] = float(ctrl["parse_rate"])
