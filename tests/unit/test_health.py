@@ -274,3 +274,10 @@ def test_fresh_marker_rows_round_trip_through_export_and_load(raw_tiny_backbone,
     rows = lambda m: _rows(m, [t.y_close, t.y_open])  # noqa: E731
     for a, b in zip(rows(loaded), rows(model)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_entangled_command_names_the_checkpoint_after_the_backbone():
+    cmd, out = entangled_command(_cfg(backbone="/m/SmolLM2.Q4_1.gguf", task="copy"))
+    assert out == "runs/entangled-SmolLM2.Q4_1" and cmd.startswith("zcvae pretrain --backbone /m/SmolLM2.Q4_1.gguf --task copy")
+    assert entangled_command(_cfg(backbone="bb/model.v1-abc"))[1] == "runs/entangled-model.v1-abc"  # a directory keeps its dots
+    assert entangled_command(_cfg(backbone="my dir/m"))[0].endswith("--backbone 'my dir/m' --task copy --output-dir runs/entangled-m")

@@ -60,7 +60,8 @@ def entangled_command(cfg) -> tuple[str, str]:
     """(the ``zcvae pretrain`` command that builds the entangled checkpoint of ``cfg``'s backbone and
     data, that checkpoint's directory)."""
     source = cfg.backbone
-    name = Path(source).stem if source else (cfg.task or "default")
+    # a GGUF file's name without ".gguf"; a directory's whole name (it may hold dots, as GGUF conversions do)
+    name = (Path(source).stem if Path(source).suffix.lower() == ".gguf" else Path(source).name) if source else (cfg.task or "default")
     out = str(Path(cfg.output_dir).parent / f"entangled-{name}")
     parts = ["zcvae", "pretrain"]
     if source:
