@@ -424,8 +424,9 @@ class ZCVAE(nn.Module):
         3. embeddings resized *before* wrapping (ZeRO-3 copies rows only inside a gather), the new
            rows initialised here (z rows from ``<znull>`` + noise, see ``_init_new_rows``);
         4. peft LoRA on the attention projections, with ``trainable_token_indices`` = the z rows (and,
-           with ``train_fresh_markers``, the markers the backbone lacked), so only those rows train (a small delta parameter; the matrix itself stays frozen, so every
-           other row is bitwise unchanged, weight decay included);
+           with ``train_fresh_markers``, the markers the backbone lacked), so only those rows train (a
+           small delta parameter; the matrix itself stays frozen, so every other row is bitwise
+           unchanged, weight decay included);
         5. router heads (+ soft-prompt projection), and their standardisation statistics from
            ``calibration`` when given. When it is None they are estimated from the first batch that
            reaches ``forward(mode="train"|"encode")``; under data parallelism that batch differs per
@@ -558,8 +559,8 @@ class ZCVAE(nn.Module):
         otherwise the mean embedding + noise. The noise has norm ``noise`` x the base row's norm
         (x the mean row norm for the mean embedding), in a random direction, so the K rows differ and
         the branches give the router distinct gradients from step 0. Other new markers (a backbone
-        that lacked them) get the mean embedding; they train only with ``train_fresh_markers``. New rows of an untied output
-        head get the mean output row, so no new token is favoured.
+        that lacked them) get the mean embedding; they train only with ``train_fresh_markers``. New
+        rows of an untied output head get the mean output row, so no new token is favoured.
         """
         emb = model.get_input_embeddings().weight  # (V, H)
         base_rows = emb[:old_rows].float()
