@@ -75,3 +75,47 @@ def tiny_backbone(tmp_path_factory) -> Callable[..., Path]:
         return built[key]
 
     return make
+
+
+def _raw_tokenizer():
+    """The word-level tokenizer's words and <pad> <unk> <s> </s>, but none of the template markers:
+    the tokenizer of a backbone that has not been through the entangled stage."""
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    from zcvae.data.tokenizer import BOS, EOS, PAD, UNK, task_vocabulary
+
+    specials = [PAD, UNK, BOS, EOS]
+    vocab = {token: i for i, token in enumerate([*specials, *task_vocabulary()])}
+    backend = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+                                   clean_up_tokenization_spaces=False)
+
+
+@pytest.fixture(scope="session")
+def raw_tiny_backbone(tmp_path_factory) -> Callable[..., Path]:
+    """Factory ``raw_tiny_backbone(*, tied=False, seed=0) -> Path``: a random tiny Llama (``TINY_SIZES``)
+    whose tokenizer lacks the template markers, as a raw pretrained LM does (``zcvae train`` exits 2 on
+    it unless --allow-fresh-markers). ``tied`` ties the output head to the input embedding. Built once
+    per argument set and shared: do not write into it."""
+    built: dict[tuple, Path] = {}
+
+    def make(*, tied: bool = False, seed: int = 0) -> Path:
+        if (tied, seed) not in built:
+            tok = _raw_tokenizer()
+            ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            model = _build_tiny_llama(len(tok), seed=seed, special_ids=ids)
+            if tied:
+                model.config.tie_word_embeddings = True
+                model.tie_weights()
+            directory = tmp_path_factory.mktemp("raw_backbone")
+            model.save_pretrained(directory)
+            tok.save_pretrained(directory)
+            built[(tied, seed)] = directory
+        return built[(tied, seed)]
+
+    return make

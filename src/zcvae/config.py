@@ -41,6 +41,7 @@ class TrainConfig(StrictDataclass):
     # ---- backbone and latent
     backbone: str | None = _f(None, "Local Hugging Face checkpoint directory of the causal LM, or a .gguf file (dequantized into a cached checkpoint, see `zcvae convert-gguf`); the built-in tiny backbone pretrained on the task when omitted.")
     trust_remote_code: bool = _f(False, "Allow the backbone's own modelling code to run (off unless you trust the checkpoint).")
+    allow_fresh_markers: bool = _f(False, "Train on a backbone whose tokenizer lacks the template markers (<x> </x> <z> </z> <y> </y> <znull>) instead of exiting with the `zcvae pretrain --backbone` command that builds its entangled checkpoint; the added marker rows then train as trainable tokens, like the z rows (for studying a raw backbone as the reference).")
     latent_type: str = _f("discrete", "discrete (K learned z tokens, exact expectation) or continuous (Gaussian soft prompt).", choices=("discrete", "continuous"))
     num_latents: int = _f(2, "K, the number of discrete latent values (K = 1 is valid: no latent information; the benchmarks use it).")
     latent_dim: int = _f(16, "Dimension of the Gaussian latent.")
@@ -168,6 +169,7 @@ class TrainConfig(StrictDataclass):
             posterior_pooling=self.posterior_pooling,
             share_x_prefix=self.share_x_prefix,
             trust_remote_code=self.trust_remote_code,
+            train_fresh_markers=self.allow_fresh_markers,
         )
 
     def engine_config(self):

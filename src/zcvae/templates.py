@@ -150,6 +150,14 @@ MARKERS = TemplateLayout.MARKERS
 X_OPEN, X_CLOSE, Z_OPEN, Z_CLOSE, Y_OPEN, Y_CLOSE, ZNULL = MARKERS
 
 
+def missing_markers(vocab) -> list[str]:
+    """The template markers (``MARKERS``, in that order) that a tokenizer's vocabulary lacks.
+
+    ``prepare_tokenizer`` adds them as new tokens whose rows the backbone never trained: a backbone
+    that lacks them has not been through the entangled stage (``zcvae pretrain --backbone``)."""
+    return [t for t in MARKERS if t not in vocab]
+
+
 def latent_token(k: int, slot: int | None = None) -> str:
     """The text of latent value k's token: ``<z_k>`` (single slot, ``slot`` None) or its ``slot``-th
     (1-based) of M > 1 tokens ``<z_k_slot>``."""

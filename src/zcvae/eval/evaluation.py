@@ -33,6 +33,8 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
   per-latent purity, best one-to-one latent->strategy matching accuracy, parse rate, answer
   accuracy. ``exact_match`` is the fraction of x whose decode under the posterior's argmax latent
   equals the gold y token for token (and closes with ``</y>``).
+  ``closure_rate`` is the share of all decodes (every latent row) that emit ``</y>`` within the steps:
+  a decoder whose ``</y>`` row never trained (a backbone without the markers) never closes y.
   Gaussian latent: controllability over latents is undefined, so each x is decoded once with z = the
   posterior mean mu(x, y): ``exact_match`` (reconstruction), and with a parser the parse rate, answer
   accuracy and agreement with the gold strategy of those decodes.
@@ -635,6 +637,8 @@ def summarize(
         scalars.update(stratified_decoding_metrics(records, labels, ctrl_records))
         if cfg.latent_type == "discrete":
             scalars["control/distinct_outputs"] = distinct_outputs(decodes)
+        # every decoded row (each latent of each x): a decoder that cannot emit </y> never stops
+        scalars["closure_rate"] = float(np.mean([bool(d["closed"]) for d in decodes]))
         if task is not None:
             ctrl = controllability_metrics(ctrl_records)
             scalars["control/parse_rate"] = float(ctrl["parse_rate"])

@@ -51,9 +51,10 @@ def _z_rows_parameter(model) -> torch.nn.Parameter | None:
 def latent_heads_state(model, *, added_ids: list[int]) -> dict[str, torch.Tensor]:
     """Everything of the trained model outside the LoRA adapter that the export needs (CPU tensors)."""
     out: dict[str, torch.Tensor] = {}
-    z_rows = _z_rows_parameter(model)
-    if z_rows is not None:
-        out["z_rows"] = z_rows.detach()
+    z_rows, num_z = _z_rows_parameter(model), len(model.tokens.latents)
+    if z_rows is not None and num_z:
+        # the delta holds the z rows first, then any markers trained with allow_fresh_markers
+        out["z_rows"] = z_rows.detach()[:num_z]
     for prefix, module in (("router", model.router), ("projection", model.projection)):
         if module is not None:
             out.update({f"{prefix}.{k}": v.detach() for k, v in module.state_dict().items()})

@@ -52,7 +52,7 @@ from zcvae.core.latent import (
     inter_latent_divergence,
 )
 from zcvae.core.losses import gather_span, supervised_token_nll, token_nll
-from zcvae.templates import IGNORE_INDEX, ZNULL, Batch, TemplateTokens, prepare_tokenizer
+from zcvae.templates import IGNORE_INDEX, ZNULL, Batch, TemplateTokens, missing_markers, prepare_tokenizer
 from zcvae.strict import StrictDataclass
 
 __all__ = ["CVAEOutput", "LATENT_TYPES", "MODES", "ModelConfig", "ZCVAE", "default_lora_targets"]
@@ -151,6 +151,12 @@ class ModelConfig(StrictDataclass):
     for sliding-window attention shorter than the batch, for checkpointing done outside transformers'
     GradientCheckpointingLayer, and for an architecture whose forward takes no cache or position
     ids. False = always the full path."""
+    train_fresh_markers: bool = False
+    """Template markers (and ``<znull>``) that the backbone's tokenizer lacked, added fresh here, train
+    as peft trainable tokens like the z rows: their input rows, and their output-head rows when the
+    head is not tied to the input embedding. Off, they stay frozen mean rows, and the ``</y>`` logit
+    stays at the mean of the others, so greedy decoding never closes y. Backbones that already know
+    the markers (an entangled checkpoint, ``zcvae pretrain``) are unaffected."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -182,6 +188,8 @@ class ModelConfig(StrictDataclass):
             raise ValueError(f"posterior_pooling must be one of {POSTERIOR_POOLING}, got {self.posterior_pooling!r}")
         if not isinstance(self.share_x_prefix, bool):
             raise ValueError(f"share_x_prefix must be a bool, got {self.share_x_prefix!r}")
+        if not isinstance(self.train_fresh_markers, bool):
+            raise ValueError(f"train_fresh_markers must be a bool, got {self.train_fresh_markers!r}")
 
 
 @dataclass
@@ -415,9 +423,10 @@ class ZCVAE(nn.Module):
         2. the backbone (``local_files_only``, ``use_safetensors``); its dropout is turned off;
         3. embeddings resized *before* wrapping (ZeRO-3 copies rows only inside a gather), the new
            rows initialised here (z rows from ``<znull>`` + noise, see ``_init_new_rows``);
-        4. peft LoRA on the attention projections, with ``trainable_token_indices`` = the z rows, so
-           only those rows train (a small delta parameter; the matrix itself stays frozen, so every
-           other row is bitwise unchanged, weight decay included);
+        4. peft LoRA on the attention projections, with ``trainable_token_indices`` = the z rows (and,
+           with ``train_fresh_markers``, the markers the backbone lacked), so only those rows train (a
+           small delta parameter; the matrix itself stays frozen, so every other row is bitwise
+           unchanged, weight decay included);
         5. router heads (+ soft-prompt projection), and their standardisation statistics from
            ``calibration`` when given. When it is None they are estimated from the first batch that
            reaches ``forward(mode="train"|"encode")``; under data parallelism that batch differs per
@@ -446,7 +455,8 @@ class ZCVAE(nn.Module):
         vocab_before = tokenizer.get_vocab()
         num_latent_tokens = config.num_latents if config.latent_type == "discrete" else 0
         tokens = prepare_tokenizer(tokenizer, num_latents=num_latent_tokens, num_z_slots=config.num_z_slots)
-        added = sorted(i for t, i in tokenizer.get_vocab().items() if t not in vocab_before)
+        vocab = tokenizer.get_vocab()
+        added = sorted(i for t, i in vocab.items() if t not in vocab_before)
 
         dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
         try:
@@ -486,7 +496,10 @@ class ZCVAE(nn.Module):
             lora_dropout=config.lora_dropout,
             target_modules=targets,
             fan_in_fan_out=model_type == "gpt2",  # GPT-2 uses Conv1D (transposed weights)
-            trainable_token_indices=list(tokens.latents) if tokens.latents else None,
+            trainable_token_indices=cls._trainable_token_indices(
+                model, latents=tokens.latents,
+                fresh_markers=[vocab[t] for t in missing_markers(vocab_before)] if config.train_fresh_markers else [],
+            ),
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # LoRA A matrices are drawn from the global RNG inside peft
@@ -511,6 +524,23 @@ class ZCVAE(nn.Module):
         return out
 
     @staticmethod
+    def _trainable_token_indices(model: nn.Module, *, latents: tuple[int, ...], fresh_markers: list[int]) -> list[int] | dict | None:
+        """peft ``trainable_token_indices``: the z rows, plus the rows of ``fresh_markers``.
+
+        The markers are predicted (``</y>`` is supervised), so their output-head rows must train too. A
+        tied head follows the input rows (peft ties its trainable-token layer to the embedding's); an
+        untied head gets its own trainable tokens for the markers only (z tokens are never predicted).
+        """
+        if not fresh_markers:
+            return list(latents) if latents else None
+        rows = [*latents, *fresh_markers]
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if head is None or head.weight.data_ptr() == emb.weight.data_ptr():
+            return rows
+        names = {id(m): n for n, m in model.named_modules()}
+        return {names[id(emb)]: rows, names[id(head)]: list(fresh_markers)}
+
+    @staticmethod
     @torch.no_grad()
     def _init_new_rows(
         model: nn.Module,
@@ -529,8 +559,8 @@ class ZCVAE(nn.Module):
         otherwise the mean embedding + noise. The noise has norm ``noise`` x the base row's norm
         (x the mean row norm for the mean embedding), in a random direction, so the K rows differ and
         the branches give the router distinct gradients from step 0. Other new markers (a backbone
-        that lacked them) get the mean embedding; they are not trained. New rows of an untied output
-        head get the mean output row, so no new token is favoured.
+        that lacked them) get the mean embedding; they train only with ``train_fresh_markers``. New
+        rows of an untied output head get the mean output row, so no new token is favoured.
         """
         emb = model.get_input_embeddings().weight  # (V, H)
         base_rows = emb[:old_rows].float()

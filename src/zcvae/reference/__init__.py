@@ -1,1 +1,1 @@
-"""z-free reference statistics: the store (format, fingerprint), c_base per mode, the provider."""
+"""z-free reference statistics: the store (format, fingerprint), c_base per mode, the provider, the health check."""

@@ -231,6 +231,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     from zcvae.engines import build_engine
     from zcvae.eval.evaluation import evaluate
     from zcvae.model.cvae import ZCVAE
+    from zcvae.reference.health import check_markers, closure_note
     from zcvae.reference.provider import ReferenceProvider
 
     # 1. processes, seeds, run directory
@@ -261,6 +262,8 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     backbone = resolve_backbone_path(cfg.backbone, log=say) if cfg.backbone else default_backbone(cfg, log=say)
     if (conversion := conversion_record(backbone)) is not None:
         say(f"[backbone] {backbone}: {describe_conversion(conversion)}")
+    # exits 2 (ValueError) on a backbone without the template markers, before its weights load
+    health = check_markers(cfg, backbone, log=say)
     model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.seed)
     num_slots = cfg.slot_tokens
     train_enc, train_report = encode_examples(splits.train, model.tokenizer, model.tokens, max_length=cfg.max_length, num_z_slots=num_slots)
@@ -297,6 +300,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     reference = ReferenceProvider.build(
         cfg, engine=engine, model=model, backbone=backbone, train=train_enc, val=val_enc, passes=passes, log=say
     )
+    health.check_c_base(reference.c_base, val=val_enc, examples=splits.val, task=splits.task, log=say)  # warns only
     recon_cfg = cfg.reconstruction_config()
     aux = AuxiliaryWeights.from_train_config(cfg)
 
@@ -322,7 +326,8 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
             truncate_metrics(run_dir / METRICS, after_step=start_step)
 
     if is_main:
-        atomic_write_json(run_dir / RUN_CONFIG, run_metadata(cfg, backbone, info.world_size, splits, train_report, val_report, reference, cpu=cpu))
+        atomic_write_json(run_dir / RUN_CONFIG, run_metadata(cfg, backbone, info.world_size, splits, train_report, val_report, reference, cpu=cpu,
+                                                             reference_health=health.to_dict()))
     logger = RunLogger(run_dir, enabled=is_main)
     say(f"[run] {cfg.run_name}: {len(train_enc)} train / {len(val_enc)} val examples, world {info.world_size}, "
         f"engine {cfg.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
@@ -398,6 +403,8 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     logger.hparams(cfg, final)
     logger.close()
     say(f"[done] {cfg.run_name}: " + ", ".join(f"{k}={final[k]:.3f}" for k in ("nmi", "mi", "kl", "exact_match") if k in final))
+    if (note := closure_note(final)) is not None:
+        say(note)
     if is_main:  # after the checkpoint: a verdict is read from the metrics, and must never cost a run
         from zcvae.eval.verdict import report_verdict
 
@@ -405,7 +412,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     return final
 
 
-def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, reference, *, cpu=None) -> dict:
+def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, reference, *, cpu=None, reference_health=None) -> dict:
     return {
         "config": cfg.to_dict(),
         "objective": cfg.objective,
@@ -418,6 +425,8 @@ def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, re
         "reconstruction_loss_token_aggregation_mode": cfg.reconstruction_loss_token_aggregation_mode,
         "c_base": reference.c_base.to_dict(),
         "reference_policy": reference.policy,
+        # zcvae.reference.health: markers the backbone lacked, c_base against its floor or threshold, warnings
+        "reference_health": reference_health,
         "world_size": world_size,
         "data": {
             "source": splits.source,
