@@ -733,6 +733,7 @@ def evaluate_run(
     never lets the backbone's code run).
     """
     from zcvae.runs.checkpoint import read_meta
+    from zcvae.runs.rundir import check_writable
     from zcvae.config import TrainConfig
     from zcvae.data.dataset import load_splits
     from zcvae.export.load import load_for_inference, newest_checkpoint, resolve_backbone
@@ -755,6 +756,8 @@ def evaluate_run(
 
     ckpt = newest_checkpoint(run_dir, checkpoint)
     step = int(read_meta(ckpt).get("step", cfg.max_steps))
+    # before the evaluation, not after it: a read-only run directory must not cost the whole computation
+    check_writable(Path(output) if output is not None else run_dir / EVAL_METRICS, what="evaluate output")
     backbone_dir = resolve_backbone(cfg, override=backbone, recorded=record.get("backbone"))
     model = load_for_inference(run_dir, backbone=backbone_dir, checkpoint=str(ckpt), trust_remote_code=trust_remote_code)
     target = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
