@@ -169,8 +169,11 @@ _FamilyLoader.add_implicit_resolver(
 
 def load_family(path: str | Path) -> dict[str, Any]:
     """Read and validate a family file (YAML, of which JSON is a subset; ``1e-3`` reads as a float)."""
-    with open(path, encoding="utf-8") as f:
-        family = yaml.load(f, Loader=_FamilyLoader)
+    try:
+        with open(path, encoding="utf-8") as f:
+            family = yaml.load(f, Loader=_FamilyLoader)
+    except OSError as err:
+        raise ValueError(f"family file {str(path)!r} cannot be read: {err.strerror}") from None
     validate_family(family)
     return family
 
@@ -476,6 +479,22 @@ def local_plan(family: Mapping[str, Any], *, output_dir: str | Path, task: str |
     return plan_runs(family, defaults)
 
 
+def check_run_configs(runs: Sequence[Run]) -> None:
+    """ValueError naming the run and the field when a run's params would be refused by ``zcvae train``
+    (an unknown task, a value of the wrong type or out of range), so ``--dry-run`` catches what the
+    real run would fail on."""
+    from zcvae.config import DEFAULT_OBJECTIVE, TrainConfig
+    from zcvae.data.tasks import get_task
+
+    for run in runs:
+        try:
+            TrainConfig.from_dict(dict(run.params), source="family", default_objective=DEFAULT_OBJECTIVE)
+            if run.params.get("task") is not None:
+                get_task(run.params["task"])
+        except ValueError as err:
+            raise ValueError(f"run {run.name}: {err}") from None
+
+
 def run_finished(run: Run) -> bool:
     """Whether ``run`` already has its final evaluation (an eval record at its last step)."""
     from zcvae.commands.aggregate import RunLoadError, load_run
@@ -608,6 +627,7 @@ def local_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs = local_plan(load_family(args.family), output_dir=args.output_dir, task=args.task)
+        check_run_configs(runs)
         if args.dry_run:
             for run in runs:
                 print(f"{'finished' if run_finished(run) else 'to run  '}  {run.name}")
@@ -653,6 +673,8 @@ def _run(args: argparse.Namespace) -> int:
     family = load_family(args.family)
     defaults, source = resolve_defaults(family, source=args.defaults)
     runs = plan_runs(family, defaults, check_known_fields=source.startswith("config"))
+    if source.startswith("config"):  # zcvae is importable: check each run as `zcvae train` will
+        check_run_configs(runs)
     slurm = SlurmSettings.from_dict(family.get("slurm"))
     out = Path(args.out)
     log_dir = slurm.log_dir or str((out / "logs").resolve())

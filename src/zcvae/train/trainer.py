@@ -294,7 +294,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     if (conversion := conversion_record(backbone)) is not None:
         say(f"[backbone] {backbone}: {describe_conversion(conversion)}")
     model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.seed)
-    check_max_length(cfg.max_length, model, backbone=backbone)
+    check_limits(cfg, model, backbone=backbone, log=say)
     num_slots = cfg.slot_tokens
     train_enc, train_report = encode_examples(splits.train, model.tokenizer, model.tokens, max_length=cfg.max_length, num_z_slots=num_slots)
     val_enc, val_report = encode_examples(splits.val, model.tokenizer, model.tokens, max_length=cfg.max_length, num_z_slots=num_slots)
@@ -438,9 +438,15 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     return final
 
 
-def check_max_length(max_length: int, model, *, backbone) -> None:
-    """ValueError when ``--max-length`` exceeds the positions the backbone was built for: past them a
-    learned position table indexes out of range and a rotary model runs on positions it never saw."""
+def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
+    """Limits checked before any step: ValueError when ``--max-length`` exceeds the positions the
+    backbone was built for (past them a learned position table indexes out of range and a rotary model
+    runs on positions it never saw); a note when K is more than the latent figure draws."""
+    from zcvae.eval.metrics import MAX_FIGURE_ROWS
+
+    if cfg.latent_type == "discrete" and cfg.num_latents > MAX_FIGURE_ROWS:
+        log(f"[eval] num_latents {cfg.num_latents} > {MAX_FIGURE_ROWS}: latents.png shows the {MAX_FIGURE_ROWS} most used latents")
+    max_length = cfg.max_length
     config = getattr(model, "backbone_config", None) or getattr(getattr(model, "peft_model", None), "config", None)
     limit = None
     for name in ("max_position_embeddings", "n_positions", "n_ctx"):
