@@ -468,10 +468,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except RunLoadError as exc:
         print(f"zcvae aggregate: error: {exc}", file=sys.stderr)
-        return 1
+        return 2  # a user error, as every command's (README, Errors and recovery)
     if not rows:
         print("zcvae aggregate: error: no readable run directories", file=sys.stderr)
-        return 1
+        return 2
     sys.stdout.write(format_table(rows, fmt=args.format))
     return 0
 
