@@ -29,7 +29,7 @@ from zcvae.export.load import (
     run_train_config,
 )
 from zcvae.runs.checkpoint import read_meta
-from zcvae.runs.rundir import RUN_CONFIG, check_writable, final_eval_metrics, read_run_record
+from zcvae.runs.rundir import RUN_CONFIG, check_writable, describe_disk_error, final_eval_metrics, read_run_record
 
 __all__ = ["export_run", "latent_heads_state"]
 
@@ -175,8 +175,11 @@ def export_run(
             merged.config.use_cache = True
             merged.save_pretrained(str(tmp / MERGED), safe_serialization=True)
             model.tokenizer.save_pretrained(str(tmp / MERGED))
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        # safetensors and the tokenizer's writer do not name the file of a full disk: name the export's
+        if (line := describe_disk_error(err, path=tmp)) is not None:
+            raise ValueError(f"--out {str(out)!r}: {line}") from None
         raise
     _publish(tmp, out)
     return out

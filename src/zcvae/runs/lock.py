@@ -74,7 +74,13 @@ class RunLock:
             raise ValueError(f"output_dir {str(self.run_dir)!r} cannot be created: {err.strerror}") from None
         for _ in range(10):
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                # O_EXCL first: whether this process created the file decides the no-flock fallback
+                try:
+                    fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+                except FileExistsError:
+                    fd, created = os.open(self.path, os.O_RDWR), False
+            except FileNotFoundError:
+                continue  # removed between the two opens: try again
             except OSError as err:
                 self._cleanup_dir()
                 raise ValueError(f"output_dir {str(self.run_dir)!r} is not writable: cannot create the lock file "
@@ -83,15 +89,17 @@ class RunLock:
                 import fcntl
 
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except ImportError:
+            except (ImportError, OSError) as err:
+                unsupported = isinstance(err, ImportError) or err.errno in _NO_FLOCK
+                if unsupported and created:  # no flock here: the O_EXCL create is the lock
+                    self._fd, self.mode = fd, "excl"
+                    self._write_holder(fd)
+                    return self
                 os.close(fd)
-                return self._acquire_excl()
-            except OSError as err:
-                os.close(fd)
+                if unsupported:
+                    raise ValueError(self._held_message(excl=True)) from None
                 if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise ValueError(self._held_message()) from None
-                if err.errno in _NO_FLOCK:
-                    return self._acquire_excl()
                 raise
             # The holder before us may have unlinked the file between our open and our flock: then we
             # locked an orphan inode while a third process may lock a new file. Lock what the path names.
@@ -105,19 +113,6 @@ class RunLock:
                 return self
             os.close(fd)
         raise ValueError(f"could not take the lock {str(self.path)!r}: it was replaced ten times in a row")
-
-    def _acquire_excl(self) -> "RunLock":
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            raise ValueError(self._held_message(excl=True)) from None
-        except OSError as err:
-            self._cleanup_dir()
-            raise ValueError(f"output_dir {str(self.run_dir)!r} is not writable: cannot create the lock file "
-                             f"{str(self.path)!r}: {err.strerror}") from None
-        self._fd, self.mode = fd, "excl"
-        self._write_holder(fd)
-        return self
 
     def _write_holder(self, fd: int) -> None:
         record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

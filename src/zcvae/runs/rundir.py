@@ -98,12 +98,13 @@ def disk_error(err: BaseException) -> int | None:
     return None
 
 
-def describe_disk_error(err: BaseException) -> str | None:
-    """One line for a full or read-only filesystem naming the path, or None for any other error."""
+def describe_disk_error(err: BaseException, *, path: str | os.PathLike | None = None) -> str | None:
+    """One line for a full or read-only filesystem naming the path (the error's own, else ``path``),
+    or None for any other error."""
     code = disk_error(err)
     if code is None:
         return None
-    path = getattr(err, "filename", None)
+    path = getattr(err, "filename", None) or path
     where = f" writing {str(path)!r}" if path else ""
     advice = "free space or choose another path" if code in (errno.ENOSPC, errno.EDQUOT) else "choose a writable path"
     return f"{os.strerror(code).lower()}{where}; nothing written earlier was changed: {advice}"

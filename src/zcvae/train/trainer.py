@@ -372,6 +372,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     guard = StepGuard(skip_budget=cfg.skip_nonfinite_steps, signals=signals, log=say)
     window = MetricWindow()
     window_tokens, window_start = 0.0, time.perf_counter()
+    window_first = start_step  # a resume between two log steps starts a shorter first window
     for step in range(start_step, cfg.max_steps):
         beta = kl_weight_at(cfg, step)
         lr_factor = lr_factor_at(cfg, step)
@@ -411,6 +412,10 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
             tokens = float(engine.all_reduce(torch.tensor(window_tokens, dtype=torch.float64)))
             metrics.update(kl_weight=beta, tokens_per_second=tokens / max(elapsed, 1e-9), c_base=reference.c_base.value)
             metrics.update({f"learning_rate/{g['name']}": lr * lr_factor for g, lr in zip(groups, peak_lrs)})
+            if window_first > (done - 1) // cfg.log_every * cfg.log_every:
+                # the steps before the checkpoint were averaged by the interrupted run and never logged
+                metrics["window_steps"] = done - window_first
+            window_first = done
             logger.log("train", done, metrics)
             progress.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}", kl=f"{metrics.get('kl', float('nan')):.3f}")
             window, window_tokens, window_start = MetricWindow(), 0.0, time.perf_counter()
