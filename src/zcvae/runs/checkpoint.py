@@ -338,9 +338,11 @@ class CheckpointManager:
         try:
             return self._save(engine, step=step, config=config, c_base=c_base)
         except BaseException as err:
-            if self.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
             space = disk_error(err)
+            # Ctrl-C and a full or read-only disk: this process lives on, so it tidies up (a crash leaves
+            # the .tmp to the next save, which removes it; it is never loaded either way)
+            if self.is_main and (space is not None or isinstance(err, (KeyboardInterrupt, OSError))):
+                shutil.rmtree(tmp, ignore_errors=True)
             if space is None:
                 raise
             raise ValueError(self._disk_message(tmp, space)) from None
