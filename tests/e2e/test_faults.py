@@ -198,6 +198,8 @@ def test_02_a_diverging_run_stops_at_once_and_its_weights_are_never_saved(tiny_b
             assert torch.isfinite(tensor).all(), key
     assert not (run_dir / "eval_step6.json").exists()
     no_leftovers(run_dir)
+    rc, out = zcvae(capsys, "aggregate", run_dir)
+    assert rc == 0 and "no evaluation in metrics.jsonl yet" in out, out
 
 
 def test_02_export_refuses_non_finite_weights(run, tmp_path, capsys, env):

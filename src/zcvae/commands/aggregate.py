@@ -362,6 +362,11 @@ def aggregate_runs(
                 if value is not None:
                     values.append(value)
             row[metric] = _stat(values)
+        unevaluated = [m.run_dir for m in members if not m.final_eval]
+        if unevaluated:
+            # a row of "-" alone reads like a run that scored nothing; say that it has no evaluation yet
+            warn(f"{', '.join(map(str, unevaluated))}: no evaluation in metrics.jsonl yet (unfinished, or stopped "
+                 f"early: see its log); its metrics show as '-'")
         rows.append(row)
     return rows
 

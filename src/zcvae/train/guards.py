@@ -175,7 +175,9 @@ def nonfinite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
 def check_finite_weights(engine, *, step: int) -> None:
     """TrainingDiverged on every rank when any rank's trainable parameters (its shard of them) hold a
     non-finite value: such weights are never checkpointed."""
-    bad = nonfinite_tensors((n, p.detach()) for n, p in engine.model.named_parameters() if p.requires_grad)
+    # ZeRO-3 keeps a rank's partition in ds_tensor (the parameter itself is an empty placeholder);
+    # FSDP2's DTensor is checked shard by shard (nonfinite_tensors)
+    bad = nonfinite_tensors((n, getattr(p, "ds_tensor", p).detach()) for n, p in engine.model.named_parameters() if p.requires_grad)
     flag = engine.all_reduce(torch.tensor(float(len(bad)), device=engine.device))
     if float(flag) > 0:
         raise TrainingDiverged(
