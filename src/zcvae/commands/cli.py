@@ -59,6 +59,8 @@ def _cmd_train(args) -> int:
     from zcvae.train.trainer import train
 
     cfg = resolve_train_config(args)
+    if args.resume_allow_change and cfg.resume is None:
+        raise ValueError("--resume-allow-change applies to a resume: add --resume auto (or a checkpoint)")
     try:
         train(cfg, overwrite=args.overwrite, allow_changes=tuple(args.resume_allow_change or ()))
     except KeyboardInterrupt:
