@@ -421,13 +421,11 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
             window, window_tokens, window_start = MetricWindow(), 0.0, time.perf_counter()
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
             run_eval(done)
-        if cfg.save_every and done % cfg.save_every == 0 and done != cfg.max_steps:
+        stop = verdict == "stop" and done != cfg.max_steps  # preempted: save here, then end
+        if (cfg.save_every and done % cfg.save_every == 0 and done != cfg.max_steps) or stop:
             check_finite_weights(engine, step=done)
             checkpoints.save(engine, step=done, config=cfg, c_base=reference.c_base)
-        elif verdict == "stop" and done != cfg.max_steps:
-            check_finite_weights(engine, step=done)
-            checkpoints.save(engine, step=done, config=cfg, c_base=reference.c_base)
-        if verdict == "stop" and done != cfg.max_steps:
+        if stop:
             progress.close()
             logger.close()
             raise Preempted(f"stopped by {signals.received or 'a signal on another rank'} after step {done} of {cfg.max_steps}: "
@@ -451,16 +449,15 @@ def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
 
     if cfg.latent_type == "discrete" and cfg.num_latents > MAX_FIGURE_ROWS:
         log(f"[eval] num_latents {cfg.num_latents} > {MAX_FIGURE_ROWS}: latents.png shows the {MAX_FIGURE_ROWS} most used latents")
-    max_length = cfg.max_length
-    config = getattr(model, "backbone_config", None) or getattr(getattr(model, "peft_model", None), "config", None)
+    config = getattr(getattr(model, "peft_model", None), "config", None)
     limit = None
     for name in ("max_position_embeddings", "n_positions", "n_ctx"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             limit = value
             break
-    if limit is not None and max_length > limit:
-        raise ValueError(f"max_length {max_length} exceeds the backbone's {limit} positions (max_position_embeddings of "
+    if limit is not None and cfg.max_length > limit:
+        raise ValueError(f"max_length {cfg.max_length} exceeds the backbone's {limit} positions (max_position_embeddings of "
                          f"{str(backbone)!r}); use --max-length {limit} or less")
 
 
