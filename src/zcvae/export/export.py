@@ -80,8 +80,7 @@ def _check_out_apart(out: Path, sources: dict[str, Path]) -> None:
 def _check_finite(ckpt: Path) -> None:
     """ValueError when the checkpoint's weights hold a NaN or an infinity (a diverged run): such an
     export would load and decode ``<pad> <pad> ...`` or encode ``nan`` without complaint."""
-    from zcvae.runs.checkpoint import load_trainable_state
-    from zcvae.train.guards import nonfinite_tensors
+    from zcvae.runs.checkpoint import load_trainable_state, nonfinite_tensors
 
     trainable, buffers = load_trainable_state(ckpt)
     bad = nonfinite_tensors([*trainable.items(), *buffers.items()])

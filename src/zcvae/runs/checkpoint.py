@@ -227,6 +227,17 @@ def load_trainable_state(directory: str | os.PathLike) -> tuple[dict[str, torch.
     return out[0], out[1]
 
 
+def nonfinite_tensors(named) -> list[str]:
+    """Names of the ``(name, tensor)`` pairs whose tensor holds a NaN or an infinity (a DTensor by its
+    local shard): what is never saved (the trainer) or exported (export)."""
+    bad = []
+    for name, tensor in named:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    return bad
+
+
 # --------------------------------------------------------------------------- RNG
 def _rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()

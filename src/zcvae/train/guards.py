@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import math
 import signal
-from collections.abc import Iterable
 
 import torch
+
+from zcvae.runs.checkpoint import nonfinite_tensors
 
 # The exit codes a scheduler script can act on. 75 is EX_TEMPFAIL ("try again later"): requeue.
 EXIT_PREEMPTED = 75
@@ -162,16 +163,6 @@ def _fmt(value: float) -> str:
 
 
 # --------------------------------------------------------------------------- weights
-def nonfinite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """Names of the tensors that hold a NaN or an infinity."""
-    bad = []
-    for name, tensor in named:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
-            bad.append(name)
-    return bad
-
-
 def check_finite_weights(engine, *, step: int) -> None:
     """TrainingDiverged on every rank when any rank's trainable parameters (its shard of them) hold a
     non-finite value: such weights are never checkpointed."""
