@@ -454,6 +454,12 @@ def test_07_a_real_full_and_read_only_filesystem(run, tiny_backbone, small_tmpfs
     rc, out = zcvae(capsys, "export", run_dir, "--out", small_tmpfs / "e")
     ends_with_one_line(rc, out, 2, "no space left on device", str(small_tmpfs / "e.tmp"))
     assert list(small_tmpfs.iterdir()) == []
+    from zcvae.runs.rundir import atomic_write_text, describe_disk_error
+
+    with pytest.raises(OSError) as err:  # run_config.json on a full disk (the resume after a full disk)
+        atomic_write_text(small_tmpfs / "run_config.json", "x" * 100_000)
+    assert str(small_tmpfs / "run_config.json") in describe_disk_error(err.value)
+    assert list(small_tmpfs.iterdir()) == []
 
     assert subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], capture_output=True).returncode == 0
     rc, out = zcvae(capsys, "export", run_dir, "--out", small_tmpfs / "e")

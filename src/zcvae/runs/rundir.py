@@ -56,9 +56,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], *, fsync
                 os.fsync(handle.fileno())
         os.chmod(tmp, _default_mode() if mode is None else mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if isinstance(err, OSError) and err.filename is None and disk_error(err) is not None:
+            # a write to a full disk names no file: name the one that could not be written
+            raise OSError(err.errno, err.strerror, str(path)) from None
         raise
 
 
