@@ -125,6 +125,10 @@ class RunLock:
             raise ValueError(f"cannot write the lock file {str(self.path)!r}: {err.strerror}") from None
 
     def _held_message(self, *, excl: bool = False) -> str:
+        for _ in range(20):  # the holder writes its record just after taking the lock: give it a moment
+            if _holder_text(self.path).startswith("pid "):
+                break
+            time.sleep(0.05)
         holder = _holder_text(self.path)
         message = (f"output_dir {str(self.run_dir)!r} is in use by another zcvae run: {holder} holds {str(self.path)!r}; "
                    f"wait for it to finish, or choose another --output-dir")
