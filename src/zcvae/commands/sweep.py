@@ -551,6 +551,7 @@ def run_local(
     failed: list[tuple[Run, str]] = []
     if jobs == 1:
         from zcvae.commands.cli import build_parser
+        from zcvae.train.guards import Preempted
 
         for index, run in enumerate(todo):
             log(f"[sweep] run {index + 1}/{len(todo)}: {run.name}")
@@ -558,6 +559,8 @@ def run_local(
             args = build_parser().parse_args(argv)
             try:
                 code = args.func(args)
+            except Preempted:
+                raise  # SIGTERM/SIGUSR1 stop the sweep, not just this run; a rerun resumes it (a diverged run only fails)
             except Exception as err:  # noqa: BLE001 - one failed run must not stop the sweep; it is reported
                 failed.append((run, f"{type(err).__name__}: {err}"))
                 log(f"[sweep] {run.name}: FAILED: {type(err).__name__}: {err}")
