@@ -7,6 +7,7 @@ A run directory (``--output-dir``) holds::
     checkpoints/step_N/      complete checkpoints, see zcvae.runs.checkpoint (CHECKPOINTS)
     eval_step{N}.json        the full evaluation at step N (eval_step_file)
     latents.png              the newest latent/strategy figure (LATENTS_FIGURE)
+    zcvae.lock               while a run writes: its holder's host and pid (zcvae.runs.lock)
 
 Every file that a reader may open while a writer runs is written through ``atomic_write``: into a
 temporary file in the same directory, then ``os.replace``d over the target, so a reader sees the old
