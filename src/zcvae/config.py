@@ -114,6 +114,7 @@ class TrainConfig(StrictDataclass):
     save_every: int = _f(0, "Save a resumable checkpoint every N steps (0: only at the end).")
     keep_last_checkpoints: int = _f(2, "Resumable checkpoints kept.")
     resume: str | None = _f(None, "Resume from a checkpoint directory, or 'auto' for the newest complete one in the run directory.")
+    skip_nonfinite_steps: int = _f(0, "Non-finite steps (loss or gradient norm NaN/inf; their update is skipped) to pass over, each logged, before the run stops as diverged (0: stop at the first).")
 
     def __post_init__(self) -> None:
         if self.objective is None:
@@ -352,7 +353,7 @@ def validate(cfg: TrainConfig) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    nonneg = ("kl_weight", "weight_decay", "warmup_steps", "eval_every", "save_every", "token_weight_alpha",
+    nonneg = ("kl_weight", "weight_decay", "warmup_steps", "eval_every", "save_every", "skip_nonfinite_steps", "token_weight_alpha",
               "posterior_entropy_weight", "router_marginal_kl_weight", "lora_dropout", "z_init_noise",
               "num_eval_decode_examples") + RECONSTRUCTION_WEIGHT_FIELDS
     for name in nonneg:
@@ -371,6 +372,10 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("lora_learning_rate", "latent_learning_rate"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+        # AdamW's first step moves by lr / (1 - beta1) = 10 lr, which must be a float32
+        if getattr(cfg, name) * 10 > 3.4e38:
+            raise ValueError(f"{name} {getattr(cfg, name):g} overflows float32 in AdamW's first step (10 x lr > 3.4e38); "
+                             f"learning rates are typically 1e-5 to 1e-1")
     if not 0 <= cfg.min_lr_ratio <= 1:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if not (0 <= cfg.kl_delay_fraction and 0 <= cfg.kl_ramp_fraction and cfg.kl_delay_fraction + cfg.kl_ramp_fraction <= 1):

@@ -159,7 +159,7 @@ def test_corrupt_metrics_line_names_file_and_line(tmp_path, capsys):
     with pytest.raises(RunLoadError, match=rf"{bad_metrics}:7: invalid JSON"):
         load_run(bad)
 
-    assert main([good, bad]) == 1
+    assert main([good, bad]) == 2
     err = capsys.readouterr().err
     assert f"{bad_metrics}:7" in err
 
@@ -184,7 +184,7 @@ def test_missing_or_corrupt_run_config(tmp_path, capsys):
     (no_config_key / "run_config.json").write_text('{"seed": 1}')
     with pytest.raises(RunLoadError, match='"config"'):
         load_run(no_config_key)
-    assert main([str(not_a_run), "--skip-bad"]) == 1
+    assert main([str(not_a_run), "--skip-bad"]) == 2
     assert "no readable run directories" in capsys.readouterr().err
 
 

@@ -15,6 +15,7 @@ import torch
 
 from zcvae.model.decoding import greedy_decode
 from zcvae.eval.evaluation import decode_length, evaluate, gather_records, shard_indices, summarize
+import zcvae.eval.evaluation as evaluation_module
 
 # ---------------------------------------------------------------- pure parts
 
@@ -315,6 +316,16 @@ def test_decision_positions_of_a_late_family_are_counted_in_token_positions(tmp_
 
 
 # ---------------------------------------------------------------- the real model
+
+
+@pytest.fixture(autouse=True)
+def score_tiny_label_sets():
+    """These tests check the metric formulas on hand-built and tiny sets, below the label counts that
+    make gold metrics trustworthy (MIN_LABELLED, MIN_LABELLED_PER_STRATEGY); test_faults.py checks those."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evaluation_module, "MIN_LABELLED", 1)
+        mp.setattr(evaluation_module, "MIN_LABELLED_PER_STRATEGY", 1)
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -39,7 +39,7 @@ DIST = "distribution_normalized_reconstruction_weight"
 FAMILY_YAML = f"""
 description: mean vs sum pilot (seed 001)
 base:
-  task: arith
+  task: add
   backbone: /models/tiny llama
   max_steps: 10
   kl_weight: 1.0

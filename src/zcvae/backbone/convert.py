@@ -35,6 +35,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import sys
 import uuid
 from collections import Counter
@@ -107,6 +108,10 @@ def _gguf_header(path: Path) -> dict:
         reader = GGUFReader(str(path))
     except (ValueError, OSError) as err:
         raise ValueError(f"{str(path)!r} is not a readable GGUF file: {err}") from None
+    except (IndexError, KeyError, EOFError, struct.error, TypeError) as err:
+        # the reader indexes past the end of a cut file instead of saying so
+        raise ValueError(f"{str(path)!r} is not a readable GGUF file: it is truncated or corrupt "
+                         f"({path.stat().st_size} bytes; {type(err).__name__} in the GGUF reader)") from None
 
     def field(name: str):
         found = reader.fields.get(name)
@@ -218,11 +223,20 @@ def convert_gguf(
 def _file_lock(path: Path):
     import fcntl
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError as err:
+        raise ValueError(f"the GGUF cache {str(path.parent)!r} is not writable: {err.strerror} (set ZCVAE_CACHE to a writable directory)") from None
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
+        except BaseException:
+            # a failed conversion leaves no lock file behind (removed while still held)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -232,6 +246,7 @@ def cached_conversion(gguf_file: str | os.PathLike, *, log: Callable[[str], None
     path = Path(gguf_file)
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    _gguf_header(path)  # a truncated or foreign file is refused before anything is written to the cache
     sha256 = file_sha256(path)
     root = cache_root() / "gguf"
     with _file_lock(root / f"{sha256[:16]}.lock"):

@@ -381,6 +381,11 @@ def aggregate_runs(
                 if value is not None:
                     values.append(value)
             row[metric] = _stat(values)
+        unevaluated = [m.run_dir for m in members if not m.final_eval]
+        if unevaluated:
+            # a row of "-" alone reads like a run that scored nothing; say that it has no evaluation yet
+            warn(f"{', '.join(map(str, unevaluated))}: no evaluation in metrics.jsonl yet (unfinished, or stopped "
+                 f"early: see its log); its metrics show as '-'")
         rows.append(row)
     return rows
 
@@ -493,10 +498,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except RunLoadError as exc:
         print(f"zcvae aggregate: error: {exc}", file=sys.stderr)
-        return 1
+        return 2  # a user error, as every command's (README, Errors and recovery)
     if not rows:
         print("zcvae aggregate: error: no readable run directories", file=sys.stderr)
-        return 1
+        return 2
     sys.stdout.write(format_table(rows, fmt=args.format))
     return 0
 

@@ -59,8 +59,18 @@ def _cmd_train(args) -> int:
     from zcvae.train.trainer import train
 
     cfg = resolve_train_config(args)
-    train(cfg, overwrite=args.overwrite)
+    if args.resume_allow_change and cfg.resume is None:
+        raise ValueError("--resume-allow-change applies to a resume: add --resume auto (or a checkpoint)")
+    try:
+        train(cfg, overwrite=args.overwrite, allow_changes=tuple(args.resume_allow_change or ()))
+    except KeyboardInterrupt:
+        raise Interrupted(f"the run directory {cfg.output_dir!r} keeps its last complete checkpoint; "
+                          f"continue with the same command plus --resume auto") from None
     return 0
+
+
+class Interrupted(Exception):
+    """Ctrl-C, with what it left behind."""
 
 
 def _cmd_pretrain(args) -> int:
@@ -112,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML or JSON file of config fields (flags win over it).")
     # an action on the run directory, not a config field: it is not recorded and does not name the run
     p.add_argument("--overwrite", action="store_true", help="Delete an earlier run in --output-dir (after saying so) instead of refusing it; see --resume to continue it.")
+    p.add_argument("--resume-allow-change", action="append", metavar="FIELD",
+                   help="With --resume: let this objective field (e.g. kl_weight, posterior_pooling, objective) differ from the checkpoint's; recorded in run_config.json with the step it applies from. Repeatable.")
     add_config_flags(p)
     p.set_defaults(func=_cmd_train)
 
@@ -148,7 +160,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; user errors, a full or read-only disk, a diverged or preempted run and Ctrl-C
+    each end in one line on stderr and an exit code (2 user error, 3 diverged, 75 preempted, 130 Ctrl-C)."""
+    from zcvae.runs.rundir import describe_disk_error
+    from zcvae.train.guards import EXIT_INTERRUPTED, RunStopped
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else "zcvae"
+    try:
+        return _dispatch(argv)
+    except RunStopped as err:
+        print(f"zcvae {command}: {err}", file=sys.stderr)
+        return err.exit_code
+    except Interrupted as err:
+        print(f"zcvae {command}: interrupted (Ctrl-C): {err}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print(f"zcvae {command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except ValueError as err:
+        print(f"zcvae {command}: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001 - only a full or read-only disk becomes a line; the rest re-raises
+        line = describe_disk_error(err)
+        if line is None:
+            raise
+        print(f"zcvae {command}: error: {line}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     # subcommands with their own argument parsers
     if argv and argv[0] == "aggregate":
         return _cmd_aggregate(argv[1:])
@@ -166,12 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         return convert_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as err:
-        # user errors: one clear line, no traceback; everything already written stays
-        print(f"zcvae {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    # user errors (ValueError) end in one clear line in main(); everything already written stays
+    return args.func(args)
 
 
 if __name__ == "__main__":

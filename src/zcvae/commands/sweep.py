@@ -170,8 +170,11 @@ _FamilyLoader.add_implicit_resolver(
 
 def load_family(path: str | Path) -> dict[str, Any]:
     """Read and validate a family file (YAML, of which JSON is a subset; ``1e-3`` reads as a float)."""
-    with open(path, encoding="utf-8") as f:
-        family = yaml.load(f, Loader=_FamilyLoader)
+    try:
+        with open(path, encoding="utf-8") as f:
+            family = yaml.load(f, Loader=_FamilyLoader)
+    except OSError as err:
+        raise ValueError(f"family file {str(path)!r} cannot be read: {err.strerror}") from None
     validate_family(family)
     return family
 
@@ -487,6 +490,22 @@ def local_plan(family: Mapping[str, Any], *, output_dir: str | Path, task: str |
     return plan_runs(family, defaults)
 
 
+def check_run_configs(runs: Sequence[Run]) -> None:
+    """ValueError naming the run and the field when a run's params would be refused by ``zcvae train``
+    (an unknown task, a value of the wrong type or out of range), so ``--dry-run`` catches what the
+    real run would fail on."""
+    from zcvae.config import DEFAULT_OBJECTIVE, TrainConfig
+    from zcvae.data.tasks import get_task
+
+    for run in runs:
+        try:
+            TrainConfig.from_dict(dict(run.params), source="family", default_objective=DEFAULT_OBJECTIVE)
+            if run.params.get("task") is not None:
+                get_task(run.params["task"])
+        except ValueError as err:
+            raise ValueError(f"run {run.name}: {err}") from None
+
+
 def run_finished(run: Run) -> bool:
     """Whether ``run`` already has its final evaluation (an eval record at its last step)."""
     from zcvae.commands.aggregate import RunLoadError, load_run
@@ -543,6 +562,7 @@ def run_local(
     failed: list[tuple[Run, str]] = []
     if jobs == 1:
         from zcvae.commands.cli import build_parser
+        from zcvae.train.guards import Preempted
 
         for index, run in enumerate(todo):
             log(f"[sweep] run {index + 1}/{len(todo)}: {run.name}")
@@ -550,6 +570,8 @@ def run_local(
             args = build_parser().parse_args(argv)
             try:
                 code = args.func(args)
+            except Preempted:
+                raise  # SIGTERM/SIGUSR1 stop the sweep, not just this run; a rerun resumes it (a diverged run only fails)
             except Exception as err:  # noqa: BLE001 - one failed run must not stop the sweep; it is reported
                 failed.append((run, f"{type(err).__name__}: {err}"))
                 log(f"[sweep] {run.name}: FAILED: {type(err).__name__}: {err}")
@@ -619,6 +641,7 @@ def local_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs = local_plan(load_family(args.family), output_dir=args.output_dir, task=args.task)
+        check_run_configs(runs)
         for message in confound_warnings(runs):
             print(f"zcvae sweep: warning: {message}", file=sys.stderr)
         if args.dry_run:
@@ -666,6 +689,8 @@ def _run(args: argparse.Namespace) -> int:
     family = load_family(args.family)
     defaults, source = resolve_defaults(family, source=args.defaults)
     runs = plan_runs(family, defaults, check_known_fields=source.startswith("config"))
+    if source.startswith("config"):  # zcvae is importable: check each run as `zcvae train` will
+        check_run_configs(runs)
     for message in confound_warnings(runs):
         print(f"warning: {message}", file=sys.stderr)
     slurm = SlurmSettings.from_dict(family.get("slurm"))

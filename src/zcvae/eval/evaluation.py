@@ -79,6 +79,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -529,6 +530,29 @@ def _decision_positions(records, *, val, task, tokenizer) -> dict[int, int] | No
     return counts
 
 
+# Gold-strategy metrics need this many labelled validation examples, per strategy present and in all.
+MIN_LABELLED_PER_STRATEGY = 2
+MIN_LABELLED = 8
+
+
+def gold_labels_problem(labels: Sequence[Any]) -> str | None:
+    """Why the gold strategies ``labels`` (None = unlabelled) are too few to score a clustering against,
+    or None when they suffice (or when there are none at all: then there is nothing to report)."""
+    present = [s for s in labels if s is not None]
+    if not present:
+        return None
+    counts: dict[Any, int] = {}
+    for s in present:
+        counts[s] = counts.get(s, 0) + 1
+    thin = sorted((str(s) for s, c in counts.items() if c < MIN_LABELLED_PER_STRATEGY))
+    if len(present) < MIN_LABELLED:
+        return f"only {len(present)} labelled validation example(s), fewer than {MIN_LABELLED}"
+    if thin:
+        return (f"strategy {', '.join(thin[:3])}{' ...' if len(thin) > 3 else ''} has fewer than "
+                f"{MIN_LABELLED_PER_STRATEGY} labelled validation examples")
+    return None
+
+
 def summarize(
     records: list[dict],
     decodes: list[dict],
@@ -545,6 +569,13 @@ def summarize(
     scalars["c_base"] = float(c_base)
     details: dict[str, Any] = {}
     labels = [r["strategy"] for r in records]
+    if any(s is not None for s in labels):
+        scalars["num_labelled_examples"] = float(sum(s is not None for s in labels))
+    if (problem := gold_labels_problem(labels)) is not None:
+        # an NMI of 1.000 from one labelled example says nothing: report it absent, not perfect
+        print(f"[eval] gold-strategy metrics (nmi, ari, matching_accuracy, by_strategy/...) are absent: {problem}", file=sys.stderr)
+        details["gold_metrics_absent"] = problem
+        labels = [None] * len(labels)
     has_labels = any(s is not None for s in labels)
     # The latent each example is assigned to (discrete: argmax q; Gaussian: its k-means cluster, for
     # labelled rows only), for the stratified NMI.
@@ -799,6 +830,7 @@ def evaluate_run(
     never lets the backbone's code run).
     """
     from zcvae.runs.checkpoint import read_meta
+    from zcvae.runs.rundir import check_writable
     from zcvae.config import TrainConfig
     from zcvae.data.dataset import load_splits
     from zcvae.export.load import load_for_inference, newest_checkpoint, resolve_backbone
@@ -821,6 +853,8 @@ def evaluate_run(
 
     ckpt = newest_checkpoint(run_dir, checkpoint)
     step = int(read_meta(ckpt).get("step", cfg.max_steps))
+    # before the evaluation, not after it: a read-only run directory must not cost the whole computation
+    check_writable(Path(output) if output is not None else run_dir / EVAL_METRICS, what="evaluate output")
     backbone_dir = resolve_backbone(cfg, override=backbone, recorded=record.get("backbone"))
     model = load_for_inference(run_dir, backbone=backbone_dir, checkpoint=str(ckpt), trust_remote_code=trust_remote_code)
     target = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")

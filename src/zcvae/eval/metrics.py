@@ -572,6 +572,10 @@ def information_gain_by_position(cond_nll_NT: Any, ref_nll_NT: Any, mask_NT: Any
 # ----------------------------------------------------------------------------------------------
 
 
+# The most latents (rows) and strategies (columns) the latent figure draws; beyond, the top ones.
+MAX_FIGURE_ROWS = 32
+
+
 def plot_latent_figure(
     confusion: Any,
     latent_labels: Sequence[Any],
@@ -597,6 +601,23 @@ def plot_latent_figure(
         raise ValueError(f"strategy_labels: {len(strategy_labels)} labels for {num_strategies} confusion columns")
     if usage_K.shape[0] != num_latents:
         raise ValueError(f"latent_usage: {usage_K.shape[0]} values for {num_latents} latents")
+    # The figure grows with K and S (0.4-0.6 in each): at K = 1000 it was 404 x 452 in and took 23.6 GB.
+    # Past MAX_FIGURE_ROWS it shows the most used latents and the most frequent strategies only.
+    notes = []
+    if num_latents > MAX_FIGURE_ROWS:
+        keep = np.sort(np.argsort(-usage_K, kind="stable")[:MAX_FIGURE_ROWS])
+        confusion_KS, usage_K = confusion_KS[keep], usage_K[keep]
+        latent_labels = [latent_labels[k] for k in keep]
+        notes.append(f"the {MAX_FIGURE_ROWS} most used of {num_latents} latents")
+        num_latents = MAX_FIGURE_ROWS
+    if num_strategies > MAX_FIGURE_ROWS:
+        keep = np.sort(np.argsort(-confusion_KS.sum(0), kind="stable")[:MAX_FIGURE_ROWS])
+        confusion_KS = confusion_KS[:, keep]
+        strategy_labels = [strategy_labels[s] for s in keep]
+        notes.append(f"the {MAX_FIGURE_ROWS} most frequent of {num_strategies} strategies")
+        num_strategies = MAX_FIGURE_ROWS
+    if notes:
+        title = (f"{title} " if title else "") + "(" + "; ".join(notes) + ")"
 
     import matplotlib
 

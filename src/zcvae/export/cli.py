@@ -95,6 +95,10 @@ def _text_ids(model, text: str, *, what: str) -> tuple[int, ...]:
     if hit is not None:
         raise ValueError(f"--{what} contains the special token {reserved[hit]!r} (id {hit}), which training refuses in user text: {text!r}")
     unk = getattr(model.tokenizer, "unk_token_id", None)
+    unk_text = getattr(model.tokenizer, "unk_token", None)
+    if unk is not None and unk_text and unk_text in text:
+        # the literal marker, not an unknown word: a special token like the others (README)
+        raise ValueError(f"--{what} contains the special token {unk_text!r} (id {unk}), which is refused in user text: {text!r}")
     if unk is not None and unk in ids:
         print(f"warning: --{what} has {ids.count(unk)} word(s) outside the vocabulary", file=sys.stderr)
     return ids

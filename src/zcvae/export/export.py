@@ -29,7 +29,7 @@ from zcvae.export.load import (
     run_train_config,
 )
 from zcvae.runs.checkpoint import read_meta
-from zcvae.runs.rundir import RUN_CONFIG, final_eval_metrics, read_run_record
+from zcvae.runs.rundir import RUN_CONFIG, check_writable, describe_disk_error, final_eval_metrics, read_run_record
 
 __all__ = ["export_run", "latent_heads_state"]
 
@@ -78,6 +78,18 @@ def _check_out_apart(out: Path, sources: dict[str, Path]) -> None:
             raise ValueError(f"--out {str(out)!r} {how} the {name} {str(source)!r}: the export would replace it; choose an --out outside it")
 
 
+def _check_finite(ckpt: Path) -> None:
+    """ValueError when the checkpoint's weights hold a NaN or an infinity (a diverged run): such an
+    export would load and decode ``<pad> <pad> ...`` or encode ``nan`` without complaint."""
+    from zcvae.runs.checkpoint import load_trainable_state, nonfinite_tensors
+
+    trainable, buffers = load_trainable_state(ckpt)
+    bad = nonfinite_tensors([*trainable.items(), *buffers.items()])
+    if bad:
+        raise ValueError(f"checkpoint {str(ckpt)!r} holds non-finite weights ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): "
+                         f"the run diverged; export an earlier checkpoint with --checkpoint, or retrain with lower learning rates")
+
+
 def _prepare_out(out: Path, *, overwrite: bool) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ValueError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace it")
@@ -119,6 +131,8 @@ def export_run(
     ckpt = newest_checkpoint(run_dir, checkpoint)
     backbone = resolve_backbone(cfg, override=backbone, recorded=record.get("backbone"))
     _check_out_apart(out, {"run directory": run_dir, "checkpoint": ckpt, "backbone directory": Path(backbone)})
+    _check_finite(ckpt)
+    check_writable(out, what="--out")
     tmp = _prepare_out(out, overwrite=overwrite)
     try:
         model = build_model(cfg, backbone, trust_remote_code=trust_remote_code, device="cpu")
@@ -161,8 +175,11 @@ def export_run(
             merged.config.use_cache = True
             merged.save_pretrained(str(tmp / MERGED), safe_serialization=True)
             model.tokenizer.save_pretrained(str(tmp / MERGED))
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        # safetensors and the tokenizer's writer do not name the file of a full disk: name the export's
+        if (line := describe_disk_error(err, path=tmp)) is not None:
+            raise ValueError(f"--out {str(out)!r}: {line}") from None
         raise
     _publish(tmp, out)
     return out

@@ -36,6 +36,7 @@ crash tests kill the process there (``zcvae.train.faults``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -51,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zcvae.runs.rundir import read_json
+from zcvae.runs.rundir import disk_error, read_json
 
 __all__ = [
     "COMPLETE",
@@ -80,6 +81,34 @@ STRUCTURAL_FIELDS = (
     "lora_r",
     "lora_alpha",
     "lora_target_modules",
+)
+# Fields that change the objective or what the model computes without changing any shape: a resume may
+# change one only when asked (--resume-allow-change FIELD), and the change is recorded with its step.
+OBJECTIVE_FIELDS = (
+    "objective",
+    "reconstruction_weight",
+    "distribution_normalized_reconstruction_weight",
+    "example_inverse_surprisal_weighted_reconstruction_weight",
+    "token_weighted_reconstruction_weight",
+    "normalized_concentration_corrected_token_weighted_reconstruction_weight",
+    "normalized_inverse_surprisal_token_weighted_reconstruction_weight",
+    "token_weight_alpha",
+    "example_inverse_surprisal_epsilon",
+    "inverse_surprisal_token_weight_epsilon",
+    "posterior_pooling",
+    "kl_weight",
+    "kl_weight_scale",
+    "kl_schedule",
+    "kl_delay_fraction",
+    "kl_ramp_fraction",
+    "kl_cycles",
+    "posterior_entropy_weight",
+    "router_support_weight",
+    "router_marginal_kl_weight",
+    "inter_latent_divergence_weight",
+    "posterior_variance_weight",
+    "num_latent_samples",
+    "lora_dropout",
 )
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -198,6 +227,17 @@ def load_trainable_state(directory: str | os.PathLike) -> tuple[dict[str, torch.
     return out[0], out[1]
 
 
+def nonfinite_tensors(named) -> list[str]:
+    """Names of the ``(name, tensor)`` pairs whose tensor holds a NaN or an infinity (a DTensor by its
+    local shard): what is never saved (the trainer) or exported (export)."""
+    bad = []
+    for name, tensor in named:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    return bad
+
+
 # --------------------------------------------------------------------------- RNG
 def _rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
@@ -297,9 +337,46 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- save
     def save(self, engine: Any, *, step: int, config: Any, c_base: Any) -> Path:
-        """Write checkpoint ``step`` atomically; prune to the newest ``keep``; return its path."""
+        """Write checkpoint ``step`` atomically; prune to the newest ``keep``; return its path.
+
+        Any failure (a full disk, a read-only mount, Ctrl-C) removes the ``.tmp`` directory on rank 0 and
+        leaves the earlier checkpoints as they were; a full or read-only filesystem becomes a ValueError
+        naming the path and, for a full disk, the bytes a checkpoint takes and the bytes free.
+        """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
+        tmp = self.path_for(step).with_name(self.path_for(step).name + ".tmp")
+        try:
+            return self._save(engine, step=step, config=config, c_base=c_base)
+        except BaseException as err:
+            space = disk_error(err)
+            # Ctrl-C and a full or read-only disk: this process lives on, so it tidies up (a crash leaves
+            # the .tmp to the next save, which removes it; it is never loaded either way)
+            if self.is_main and (space is not None or isinstance(err, (KeyboardInterrupt, OSError))):
+                shutil.rmtree(tmp, ignore_errors=True)
+            if space is None:
+                raise
+            raise ValueError(self._disk_message(tmp, space)) from None
+
+    def _disk_message(self, tmp: Path, code: int) -> str:
+        if code != errno.ENOSPC and code != errno.EDQUOT:
+            return (f"cannot write checkpoint {str(tmp)!r}: {os.strerror(code)}; the earlier checkpoints are intact. "
+                    f"Make {str(self.directory)!r} writable, then resume with --resume auto")
+        latest = self.latest()
+        need = sum(p.stat().st_size for p in latest.rglob("*") if p.is_file()) if latest is not None else None
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            free = None
+        sizes = []
+        if need is not None:
+            sizes.append(f"a checkpoint of this run takes {need:,} bytes")
+        if free is not None:
+            sizes.append(f"{free:,} bytes are free there")
+        return (f"no space left on device while writing checkpoint {str(tmp)!r}{' (' + ', '.join(sizes) + ')' if sizes else ''}; "
+                f"the partial checkpoint was removed and the earlier checkpoints are intact. Free space, then resume with --resume auto")
+
+    def _save(self, engine: Any, *, step: int, config: Any, c_base: Any) -> Path:
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
         if self.is_main:
@@ -388,23 +465,25 @@ class CheckpointManager:
             raise ValueError(f"resume auto: no checkpoint in {str(self.directory)!r} is loadable: {'; '.join(reasons)}")
         return None, None
 
-    def load(self, engine: Any, source: str | os.PathLike, *, config: Any, c_base: Any) -> dict[str, Any]:
+    def load(self, engine: Any, source: str | os.PathLike, *, config: Any, c_base: Any, allow_changes: tuple[str, ...] = ()) -> dict[str, Any]:
         """Restore the engine, this rank's RNG states and the step from ``source``.
 
         ``source``: a checkpoint directory, a run or checkpoints directory (its newest complete
         checkpoint) or ``"auto"`` (the newest one here whose files match its manifest, falling back past
-        corrupt ones; a fresh start, step 0, when there is none). Returns ``{"step", "checkpoint", "meta"}``.
+        corrupt ones; a fresh start, step 0, when there is none). Returns ``{"step", "checkpoint", "meta",
+        "changes"}`` (``changes``: the objective fields ``allow_changes`` let change, see :func:`objective_changes`).
         """
         if str(source) == "auto":
             path, meta = self._newest_loadable()
             if path is None:
-                return {"step": 0, "checkpoint": None, "meta": None}
+                return {"step": 0, "checkpoint": None, "meta": None, "changes": []}
         else:
             path = resolve_checkpoint(source, default_dir=self.directory)
             # every rank verifies, so every rank raises the same error rather than one rank hanging
             verify_checkpoint(path)
             meta = read_meta(path)
-        check_compatible(meta, config=_config_dict(config), c_base=_c_base_dict(c_base), world_size=int(engine.world_size), engine=engine, path=path)
+        changes = check_compatible(meta, config=_config_dict(config), c_base=_c_base_dict(c_base), world_size=int(engine.world_size),
+                                   engine=engine, path=path, allow_changes=tuple(allow_changes))
         try:
             client_state = engine.load_checkpoint(str(path / ENGINE_DIR))
         except Exception as err:  # noqa: BLE001 - re-raised with what was saved and what loads it
@@ -424,12 +503,14 @@ class CheckpointManager:
         else:
             warnings.warn(f"{rng} is missing (the checkpoint was saved by {meta['world_size']} ranks): rank {engine.rank} keeps its seeded RNG state")
         engine.barrier()
-        return {"step": int(meta["step"]), "checkpoint": str(path), "meta": meta}
+        return {"step": int(meta["step"]), "checkpoint": str(path), "meta": meta, "changes": changes}
 
 
-def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: dict[str, Any] | None, world_size: int, engine: Any, path: Path) -> None:
+def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: dict[str, Any] | None, world_size: int, engine: Any,
+                     path: Path, allow_changes: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """ValueError, naming the field and both values, when resuming ``meta`` under ``config`` would not
-    continue the same training run."""
+    continue the same training run. Returns the changes of :data:`OBJECTIVE_FIELDS` that
+    ``allow_changes`` lets through, as ``{"field", "from", "to", "step"}``."""
     where = f"checkpoint {str(path)!r}"
     saved_cfg = meta.get("config") or {}
     saved_mode = meta.get(AGGREGATION_MODE_FIELD) or saved_cfg.get(AGGREGATION_MODE_FIELD)
@@ -450,6 +531,7 @@ def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: di
         if name in saved_cfg and name in config and saved_cfg[name] != config[name]:
             raise ValueError(f"{name} changed: {where} has {saved_cfg[name]!r}, this run {config[name]!r}; the trained parameters do not fit. "
                              f"Resume with --{name.replace('_', '-')} {saved_cfg[name]} or start a new run.")
+    changes = objective_changes(saved_cfg, config, allow_changes=allow_changes, where=where, step=int(meta.get("step", 0)))
     saved_cb = meta.get("c_base")
     if saved_cb and c_base:
         if saved_cb.get("mode") is not None and c_base.get("mode") is not None and saved_cb["mode"] != c_base["mode"]:
@@ -473,6 +555,34 @@ def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: di
             f"world size changed: {where} was written by {saved_world} DeepSpeed ranks, this run has {world_size}; "
             f"ZeRO optimizer partitions do not reshard. Resume with {saved_world} ranks."
         )
+    return changes
+
+
+def objective_changes(saved_cfg: dict[str, Any], config: dict[str, Any], *, allow_changes: tuple[str, ...], where: str, step: int) -> list[dict[str, Any]]:
+    """The allowed changes of objective fields between a checkpoint's config and this run's; ValueError
+    for a change not allowed, or for an ``allow_changes`` entry that is not such a field."""
+    for name in allow_changes:
+        if name in STRUCTURAL_FIELDS or name == AGGREGATION_MODE_FIELD:
+            raise ValueError(f"--resume-allow-change {name}: {name} cannot change on resume (the trained parameters or the "
+                             f"mode-matched c_base would not fit); start a new run")
+        if name not in OBJECTIVE_FIELDS:
+            raise ValueError(f"--resume-allow-change {name}: not a field that resume refuses; the fields are {', '.join(OBJECTIVE_FIELDS)}")
+    allowed = set(allow_changes)
+    if "objective" in allowed:  # a preset sets the weights and alpha: allowing it allows what it sets
+        allowed |= set(OBJECTIVE_FIELDS[1:9])
+    changes = []
+    for name in OBJECTIVE_FIELDS:
+        if name not in saved_cfg or name not in config or saved_cfg[name] == config[name]:
+            continue
+        if name not in allowed:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{name} changed: {where} was trained with {saved_cfg[name]!r}, this run asks for {config[name]!r}; the objective "
+                f"would change mid-run while run_config.json claims the new value throughout. Resume with {flag} "
+                f"{saved_cfg[name]}, or pass --resume-allow-change {name} to change it from step {step} on (recorded in run_config.json)"
+            )
+        changes.append({"field": name, "from": saved_cfg[name], "to": config[name], "step": step})
+    return changes
 
 
 def _fsync_dir(directory: Path) -> None:

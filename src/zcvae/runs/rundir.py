@@ -8,6 +8,7 @@ A run directory (``--output-dir``) holds::
     eval_step{N}.json        the full evaluation at step N (eval_step_file)
     latents.png              the newest latent/strategy figure (LATENTS_FIGURE)
     verdict.json             the end-of-run verdict, zcvae.eval.verdict (VERDICT)
+    zcvae.lock               while a run writes: its holder's host and pid (zcvae.runs.lock)
 
 Every file that a reader may open while a writer runs is written through ``atomic_write``: into a
 temporary file in the same directory, then ``os.replace``d over the target, so a reader sees the old
@@ -19,6 +20,7 @@ This module imports nothing of zcvae, so every layer (data/, runs/, train/, eval
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -60,9 +62,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], *, fsync
                 os.fsync(handle.fileno())
         os.chmod(tmp, _default_mode() if mode is None else mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if isinstance(err, OSError) and err.filename is None and disk_error(err) is not None:
+            # a write to a full disk names no file: name the one that could not be written
+            raise OSError(err.errno, err.strerror, str(path)) from None
         raise
 
 
@@ -83,6 +88,51 @@ def atomic_write_text(path: str | os.PathLike, text: str, **kw) -> None:
 def atomic_write_json(path: str | os.PathLike, data: Any, **kw) -> None:
     """JSON with ``indent=2, sort_keys=True``; objects JSON cannot encode are written as ``str()``."""
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str), **kw)
+
+
+# --------------------------------------------------------------------------- disk errors
+# What a full or read-only filesystem raises: the errno, or (safetensors' SafetensorError, which is no
+# OSError) only a message.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+_DISK_MESSAGES = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+                  "Read-only file system": errno.EROFS, "Permission denied": errno.EACCES}
+
+
+def disk_error(err: BaseException) -> int | None:
+    """The errno when ``err`` says the disk is full or the path is read-only / not writable, else None."""
+    if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
+        return err.errno
+    if type(err).__name__ == "SafetensorError":
+        return next((code for text, code in _DISK_MESSAGES.items() if text in str(err)), None)
+    return None
+
+
+def describe_disk_error(err: BaseException, *, path: str | os.PathLike | None = None) -> str | None:
+    """One line for a full or read-only filesystem naming the path (the error's own, else ``path``),
+    or None for any other error."""
+    code = disk_error(err)
+    if code is None:
+        return None
+    path = getattr(err, "filename", None) or path
+    where = f" writing {str(path)!r}" if path else ""
+    advice = "free space or choose another path" if code in (errno.ENOSPC, errno.EDQUOT) else "choose a writable path"
+    return f"{os.strerror(code).lower()}{where}; nothing written earlier was changed: {advice}"
+
+
+def check_writable(path: str | os.PathLike, *, what: str) -> None:
+    """ValueError naming ``path`` when it could not be written: its nearest existing directory is on a
+    read-only filesystem or not writable by this user (checked up front, before any work is done)."""
+    path = Path(path)
+    existing = next((p for p in (path.parent, *path.parent.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        return  # the write itself will name the problem
+    if not os.access(existing, os.W_OK | os.X_OK):
+        try:
+            readonly = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+        except OSError:
+            readonly = False
+        why = "is on a read-only filesystem" if readonly else "is not writable"
+        raise ValueError(f"{what} {str(path)!r} cannot be written: {str(existing)!r} {why}; choose a writable path")
 
 
 # --------------------------------------------------------------------------- readers

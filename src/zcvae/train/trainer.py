@@ -31,11 +31,13 @@ from zcvae._version import __version__
 from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at, train_run_name
 from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
 from zcvae.data.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
-from zcvae.distributed import flush_denormals, free_cpu_cores, init_distributed, reduce_metrics
+from zcvae.distributed import dist_info, flush_denormals, free_cpu_cores, init_distributed, reduce_metrics
 from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS
 from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
+from zcvae.runs.lock import LOCK_FILE, RunLock
 from zcvae.train.faults import fault_injection_from_env
 from zcvae.train.grad_probe import PROBE_SPLIT, GradientProbe
+from zcvae.train.guards import Preempted, StepGuard, StopSignals, check_finite_weights
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.templates import collate, encode_examples
 
@@ -171,12 +173,10 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, is_main: bo
     any rank writes into the directory (rank 0 writes nothing there before the engine's first
     collective), so every rank sees the same directory and raises the same error.
     """
-    for parent in (run_dir, *run_dir.parents):
-        if parent.exists() and not parent.is_dir():
-            where = "is an existing file" if parent == run_dir else f"lies under {str(parent)!r}, which is a file"
-            raise ValueError(f"output_dir {str(run_dir)!r} {where}; choose a directory with --output-dir")
+    check_output_dir_path(run_dir)
     try:
-        entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+        # the run lock (zcvae.lock) is this run's own, taken before this check
+        entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
     except FileNotFoundError:
         entries = []  # rank 0 deleted it for --overwrite while another rank looked
     except OSError as err:
@@ -196,9 +196,12 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, is_main: bo
                 raise ValueError(f"--overwrite would delete {name} {str(path)!r}, which lies inside output_dir {str(run_dir)!r}")
         if is_main:
             log(f"[run] --overwrite: deleting the earlier run in {run_dir} ({', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''})")
-            # renamed first, so a crash mid-delete leaves no half-deleted run that looks like a run
+            # moved aside first, so a crash mid-delete leaves no half-deleted run that looks like a run; entry
+            # by entry (the files that make it a run first), as the run lock inside must stay where it is
             doomed = run_dir.with_name(f"{run_dir.name}.deleting-{os.getpid()}")
-            os.replace(run_dir, doomed)
+            doomed.mkdir()
+            for name in sorted(entries, key=lambda n: n not in (RUN_CONFIG, CHECKPOINTS)):
+                os.replace(run_dir / name, doomed / name)
             shutil.rmtree(doomed)
     if is_main:
         try:
@@ -207,6 +210,14 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, is_main: bo
             raise ValueError(f"output_dir {str(run_dir)!r} cannot be created: {err.strerror}") from None
     if run_dir.is_dir() and not os.access(run_dir, os.W_OK | os.X_OK):
         raise ValueError(f"output_dir {str(run_dir)!r} is not writable")
+
+
+def check_output_dir_path(run_dir: Path) -> None:
+    """ValueError when ``run_dir`` is, or lies under, an existing file."""
+    for parent in (run_dir, *run_dir.parents):
+        if parent.exists() and not parent.is_dir():
+            where = "is an existing file" if parent == run_dir else f"lies under {str(parent)!r}, which is a file"
+            raise ValueError(f"output_dir {str(run_dir)!r} {where}; choose a directory with --output-dir")
 
 
 def _jsonable(value):
@@ -222,11 +233,33 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, float]:
+def train(cfg: TrainConfig, *, log=print, overwrite: bool = False, allow_changes: tuple[str, ...] = ()) -> dict[str, float]:
     """Train one run; returns the final evaluation metrics (on every rank).
 
     ``overwrite``: delete an earlier run in ``cfg.output_dir`` (after saying so) instead of refusing it.
+    ``allow_changes``: objective fields a resume may change (``--resume-allow-change``), recorded in
+    run_config.json with the step they apply from.
+
+    Rank 0 holds the run directory's lock (zcvae.runs.lock) for the whole run, taken before anything
+    there is read or written and before the model loads; SIGTERM/SIGUSR1 become a stop at the end of the
+    current step (zcvae.train.guards). Raises :class:`~zcvae.train.guards.RunStopped` when the run
+    diverged or was preempted.
     """
+    run_dir = Path(cfg.output_dir)
+    check_output_dir_path(run_dir)
+    # the handlers first: once the lock file names this process, a SIGTERM is already a clean stop
+    with StopSignals() as signals:
+        lock = RunLock(run_dir) if dist_info().rank == 0 else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            return _train(cfg, log=log, overwrite=overwrite, allow_changes=tuple(allow_changes), signals=signals)
+        finally:
+            if lock is not None:
+                lock.release()
+
+
+def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, ...], signals: StopSignals) -> dict[str, float]:
     from zcvae.runs.checkpoint import CheckpointManager
     from zcvae.engines import build_engine
     from zcvae.eval.evaluation import evaluate
@@ -265,6 +298,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
     # exits 2 (ValueError) on a backbone without the template markers, before its weights load
     health = check_markers(cfg, backbone, log=say)
     model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.seed)
+    check_limits(cfg, model, backbone=backbone, log=say)
     num_slots = cfg.slot_tokens
     train_enc, train_report = encode_examples(splits.train, model.tokenizer, model.tokens, max_length=cfg.max_length, num_z_slots=num_slots)
     val_enc, val_report = encode_examples(splits.val, model.tokenizer, model.tokens, max_length=cfg.max_length, num_z_slots=num_slots)
@@ -308,7 +342,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
                                     on_event=fault_injection_from_env())
     start_step = 0
     if cfg.resume is not None:
-        state = checkpoints.load(engine, cfg.resume, config=cfg, c_base=reference.c_base)
+        state = checkpoints.load(engine, cfg.resume, config=cfg, c_base=reference.c_base, allow_changes=allow_changes)
         start_step = state["step"]
         if start_step > cfg.max_steps:
             # training nothing and saving the later weights under an earlier step label would corrupt the run
@@ -321,13 +355,15 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
 
             say(f"[resume] checkpoint {state['checkpoint']!r} is already at max_steps {cfg.max_steps}: the run is complete, nothing written")
             return final_eval_metrics(run_dir)[1]
-        say(f"[resume] from step {start_step}")
+        say(f"[resume] from step {start_step}" + resume_note(state, cfg))
         if is_main:
             truncate_metrics(run_dir / METRICS, after_step=start_step)
 
     if is_main:
-        atomic_write_json(run_dir / RUN_CONFIG, run_metadata(cfg, backbone, info.world_size, splits, train_report, val_report, reference, cpu=cpu,
-                                                             reference_health=health.to_dict()))
+        metadata = run_metadata(cfg, backbone, info.world_size, splits, train_report, val_report, reference, cpu=cpu,
+                                reference_health=health.to_dict())
+        metadata.update(resume_changes_record(run_dir, state if cfg.resume is not None else None))
+        atomic_write_json(run_dir / RUN_CONFIG, metadata)
     logger = RunLogger(run_dir, enabled=is_main)
     say(f"[run] {cfg.run_name}: {len(train_enc)} train / {len(val_enc)} val examples, world {info.world_size}, "
         f"engine {cfg.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
@@ -339,10 +375,12 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
 
     # 5. the loop
     progress = _progress(cfg, start_step, enabled=is_main)
+    guard = StepGuard(skip_budget=cfg.skip_nonfinite_steps, signals=signals, log=say)
     window = MetricWindow()
     window_tokens, window_start = 0.0, time.perf_counter()
     # seed 002's posterior gradient, every grad_probe_every steps (zcvae.train.grad_probe: reads the same forward)
     probe = GradientProbe.for_model(model, task=splits.task, tokenizer=model.tokenizer) if cfg.grad_probe_every else None
+    window_first = start_step  # a resume between two log steps starts a shorter first window
     for step in range(start_step, cfg.max_steps):
         probing = probe is not None and (step + 1) % cfg.grad_probe_every == 0
         beta = kl_weight_at(cfg, step)
@@ -374,9 +412,12 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
                 probe.accumulate(reconstruction=(terms["weighted_reconstruction_loss"] * terms["valid"]).sum() / global_count,
                                  kl=terms["kl"].sum() / global_count, examples=[train_enc[i] for i in micro[m]])
             engine.backward(loss, sync=m == len(batches) - 1)
+            guard.add(terms, loss)
             window.add_examples(terms, terms["valid"])
             window_tokens += float(batch.num_supervised.sum())
         grad_norm = engine.step(max_grad_norm=cfg.max_grad_norm)
+        # every rank gets the same verdict; a divergence past --skip-nonfinite-steps raises here
+        verdict = guard.check(engine, step=step + 1, grad_norm=grad_norm, global_count=global_count)
         window.add_scalar("grad_norm", grad_norm)
         progress.update(1)
 
@@ -389,15 +430,27 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
             tokens = float(engine.all_reduce(torch.tensor(window_tokens, dtype=torch.float64)))
             metrics.update(kl_weight=beta, tokens_per_second=tokens / max(elapsed, 1e-9), c_base=reference.c_base.value)
             metrics.update({f"learning_rate/{g['name']}": lr * lr_factor for g, lr in zip(groups, peak_lrs)})
+            if window_first > (done - 1) // cfg.log_every * cfg.log_every:
+                # the steps before the checkpoint were averaged by the interrupted run and never logged
+                metrics["window_steps"] = done - window_first
+            window_first = done
             logger.log("train", done, metrics)
             progress.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}", kl=f"{metrics.get('kl', float('nan')):.3f}")
             window, window_tokens, window_start = MetricWindow(), 0.0, time.perf_counter()
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
             run_eval(done)
-        if cfg.save_every and done % cfg.save_every == 0 and done != cfg.max_steps:
+        stop = verdict == "stop" and done != cfg.max_steps  # preempted: save here, then end
+        if (cfg.save_every and done % cfg.save_every == 0 and done != cfg.max_steps) or stop:
+            check_finite_weights(engine, step=done)
             checkpoints.save(engine, step=done, config=cfg, c_base=reference.c_base)
+        if stop:
+            progress.close()
+            logger.close()
+            raise Preempted(f"stopped by {signals.received or 'a signal on another rank'} after step {done} of {cfg.max_steps}: "
+                            f"saved checkpoint {checkpoints.path_for(done).name}; continue with the same command plus --resume auto", step=done)
     progress.close()
 
+    check_finite_weights(engine, step=cfg.max_steps)
     final = run_eval(cfg.max_steps)
     checkpoints.save(engine, step=cfg.max_steps, config=cfg, c_base=reference.c_base)
     logger.hparams(cfg, final)
@@ -410,6 +463,55 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False) -> dict[str, 
 
         report_verdict(run_dir, final, cfg.to_dict(), step=cfg.max_steps, source="train", log=say)
     return final
+
+
+def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
+    """Limits checked before any step: ValueError when ``--max-length`` exceeds the positions the
+    backbone was built for (past them a learned position table indexes out of range and a rotary model
+    runs on positions it never saw); a note when K is more than the latent figure draws."""
+    from zcvae.eval.metrics import MAX_FIGURE_ROWS
+
+    if cfg.latent_type == "discrete" and cfg.num_latents > MAX_FIGURE_ROWS:
+        log(f"[eval] num_latents {cfg.num_latents} > {MAX_FIGURE_ROWS}: latents.png shows the {MAX_FIGURE_ROWS} most used latents")
+    config = getattr(getattr(model, "peft_model", None), "config", None)
+    limit = None
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            limit = value
+            break
+    if limit is not None and cfg.max_length > limit:
+        raise ValueError(f"max_length {cfg.max_length} exceeds the backbone's {limit} positions (max_position_embeddings of "
+                         f"{str(backbone)!r}); use --max-length {limit} or less")
+
+
+def resume_note(state: dict, cfg: TrainConfig) -> str:
+    """What the resume line adds: a raised ``max_steps`` (the schedules stretch) and allowed changes."""
+    saved = (state.get("meta") or {}).get("config") or {}
+    notes = []
+    if saved.get("max_steps") not in (None, cfg.max_steps):
+        notes.append(f"max_steps {saved['max_steps']} -> {cfg.max_steps}: the schedule's fractions (learning-rate warm-up "
+                     f"and decay, KL delay/ramp/cycles) now apply to the new total of {cfg.max_steps} steps")
+    for change in state.get("changes", []):
+        notes.append(f"{change['field']} {change['from']!r} -> {change['to']!r} from step {change['step']} (--resume-allow-change)")
+    return ("; " + "; ".join(notes)) if notes else ""
+
+
+def resume_changes_record(run_dir: Path, state: dict | None) -> dict:
+    """``{"resume_changes": [...]}``: the earlier run_config.json's list plus this resume's allowed changes
+    (each ``{field, from, to, step}``), so the record says which value held over which steps."""
+    from zcvae.runs.rundir import read_run_record
+
+    earlier = []
+    if state is not None:
+        try:
+            earlier = list(read_run_record(run_dir).get("resume_changes", []))
+        except ValueError:
+            earlier = []
+        # a step replayed after a crash drops the changes recorded from a later step
+        earlier = [c for c in earlier if c.get("step", 0) <= state["step"]]
+        earlier += state.get("changes", [])
+    return {"resume_changes": earlier} if earlier else {}
 
 
 def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, reference, *, cpu=None, reference_health=None) -> dict:
