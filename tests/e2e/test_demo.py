@@ -1,6 +1,7 @@
 """`zcvae demo --quick`: the README's main command end to end, at toy size."""
 
 import json
+from pathlib import Path
 
 
 def test_demo_quick_prints_the_pilot_table(cli, tmp_path):
@@ -21,3 +22,29 @@ def test_demo_quick_prints_the_pilot_table(cli, tmp_path):
     assert (tmp_path / "demo" / "table.md").read_text().strip() == "\n".join(
         line for line in out.splitlines() if line.startswith("|")
     ).strip()
+
+
+def test_demo_backbone_runs_the_entangled_stage_then_the_arms_and_resumes(cli, raw_tiny_backbone, tmp_path):
+    """`zcvae demo --backbone` on a backbone that has never seen the template (as a real LM has not):
+    the expected time first, the entangled stage, raw mean against the default on it, the table; a
+    second call reuses the stage and the finished runs."""
+    from zcvae.backbone.pretraining import is_pretrained
+    from zcvae.commands.demo import REAL_LM_ARMS
+
+    out = tmp_path / "demo-lm"
+    proc = cli("demo", "--backbone", raw_tiny_backbone(), "--quick", "--output-dir", out, cwd=tmp_path)
+    assert "[demo] expected time: about" in proc.stdout
+    stage = out / "runs" / "entangled-copy"
+    assert is_pretrained(stage)
+    runs = sorted(p for p in (out / "runs").iterdir() if p.name != stage.name)
+    configs = [json.loads((r / "run_config.json").read_text()) for r in runs]
+    assert sorted(c["config"]["objective"] for c in configs) == sorted(REAL_LM_ARMS)
+    assert {Path(c["backbone"]) for c in configs} == {stage.resolve()}
+    # the health check passed: the stage taught the backbone the markers
+    assert all(not c["reference_health"]["fresh_markers"] for c in configs)
+    table = [line for line in proc.stdout.splitlines() if line.startswith("|") and "---" not in line]
+    assert len(table) == 1 + len(REAL_LM_ARMS)
+
+    again = cli("demo", "--backbone", raw_tiny_backbone(), "--quick", "--output-dir", out, cwd=tmp_path)
+    assert "(already built)" in again.stdout
+    assert again.stdout.count("finished, skipped") == len(REAL_LM_ARMS)

