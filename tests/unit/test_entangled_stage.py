@@ -118,3 +118,26 @@ def test_bad_stage_configs_name_the_field(tmp_path, raw_tiny_backbone):
     with pytest.raises(ValueError, match="neither a Hugging Face model directory"):
         pretrain(stage_config(tmp_path, tmp_path / "o"), log=lambda *_: None)
     assert not (tmp_path / "o").exists()
+
+
+def test_decision_word_maps_to_its_token_for_word_level_and_bpe_tokenizers():
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from zcvae.backbone.pretraining import word_token_position
+    from zcvae.data import build_tokenizer
+
+    y = "2 2 0 8 count 0 * 1 = 0 2 2 8 ."
+    words = build_tokenizer()
+    assert [word_token_position(words, y, w) for w in (0, 4, 13, 99)] == [0, 4, 13, 14]
+    # byte-level BPE without merges: one token per byte, as digits and spaces of a real LM's tokenizer
+    backend = Tokenizer(BPE(vocab={c: i for i, c in enumerate(sorted(set("".join(ByteLevel.alphabet()))))}, merges=[]))
+    backend.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    bpe = PreTrainedTokenizerFast(tokenizer_object=backend)
+    ids = bpe(y, add_special_tokens=False)["input_ids"]
+    position = word_token_position(bpe, y, 4)
+    pieces = bpe.convert_ids_to_tokens(ids)
+    assert "".join(pieces[:position]).replace("Ġ", " ").strip() == "2 2 0 8"
+    assert "".join(pieces[position:position + 6]).replace("Ġ", " ").strip() == "count"

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -343,6 +344,21 @@ def data_fingerprint(train, val) -> str:
         for ex in examples:
             h.update(json.dumps([split, ex.id, ex.x, ex.y, ex.strategy], ensure_ascii=True).encode() + b"\n")
     return h.hexdigest()
+
+
+def word_token_position(tokenizer, text: str, word_index: int) -> int:
+    """Index of the token that holds whitespace word ``word_index`` of ``text``, tokenized as
+    ``encode_examples`` tokenizes y. The families give decision positions in words; the word-level
+    tokenizer has one token a word, a BPE tokenizer (a real LM's) splits digits and spaces, so the
+    decision word of ``2 2 0 8 count ...`` is token 7 or 8, not 4. Past the last word: its token count."""
+    starts = [m.start() for m in re.finditer(r"\S+", text)]
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if word_index >= len(starts):
+        return len(encoded["input_ids"])
+    for i, (_, end) in enumerate(encoded["offset_mapping"]):
+        if end > starts[word_index]:
+            return i
+    return len(encoded["input_ids"])
 
 
 # ---- a pretrained backbone -----------------------------------------------------------------------
@@ -670,8 +686,9 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
     # choice; position 0 for the marker-first families) and the best possible z-free NLL, H(y | x).
     floor = decision_pos = None
     if task is not None:
-        x_of = {ex.id: ex.x for ex in val_ex}
-        decision_pos = [(task.decision_positions(x_of[ex.id]) or (0,))[0] for ex in val]
+        x_of, y_of = {ex.id: ex.x for ex in val_ex}, {ex.id: ex.y for ex in val_ex}
+        decision_pos = [word_token_position(tokenizer, y_of[ex.id], (task.decision_positions(x_of[ex.id]) or (0,))[0])
+                        for ex in val]
         floor = sum(task.y_entropy(x_of[ex.id]) for ex in val) / max(len(val), 1)
     initial = evaluate_nll(model, val, tokens, decision_positions=decision_pos)
 
