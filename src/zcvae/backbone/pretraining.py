@@ -873,7 +873,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) ->
     results: dict = {}
 
     def run_eval(step: int) -> dict[str, float]:
-        stats = evaluate_nll(engine.model, val, tokens, decision_positions=decision_pos)
+        stats = evaluate_nll(engine.module, val, tokens, decision_positions=decision_pos)
         zf, zn = stats["zfree"], stats["znull"]
         metrics = {"y_nll_per_example": zf["nll_per_example"], "y_nll_per_token": zf["nll_per_token"],
                    "znull_y_nll_per_example": zn["nll_per_example"]}
@@ -908,7 +908,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) ->
     # every rank decodes (a sharded model's forwards are collectives), only rank 0 writes
     decoding = None
     if task is not None and config.num_decode_examples > 0:
-        decoding = decoding_report(engine.model, tokenizer, val[: config.num_decode_examples], tokens, task,
+        decoding = decoding_report(engine.module, tokenizer, val[: config.num_decode_examples], tokens, task,
                                    max_length=config.max_length, seed=config.seed)
     # the trained weights, whole, on rank 0 (a collective: ZeRO-3 gathers, FSDP2 makes full tensors); the
     # frozen weights are the seeded start's, so a fresh copy with the trained ones loaded in is the model
