@@ -14,14 +14,20 @@ Why both: in the prototype a backbone pretrained on the z-free template alone we
 nats of y NLL when a z section was inserted, and LoRA did not repair it; with half of the examples in
 the z-shaped template the CVAE's z rows can start as the ``<znull>`` row and the decoder reads them.
 
-Loss: mean token NLL over the supervised span (y and ``</y>``), fp32, AdamW, linear warm-up then
-cosine decay to ``min_lr_ratio`` of the peak. The checkpoint is a standard Hugging Face directory
-(``config.json``, ``model.safetensors``, tokenizer files) plus ``pretrain_summary.json``; it is written
-to ``output_dir + ".tmp"`` and renamed, so ``is_pretrained`` never accepts a half-written directory.
+Loss: mean token NLL over the supervised span (y and ``</y>``) of the global batch, fp32, AdamW, linear
+warm-up then cosine decay to ``min_lr_ratio`` of the peak. The steps run on the loop that ``zcvae train``
+runs on (``zcvae.loop``), with its engines (local/DDP, DeepSpeed ZeRO, FSDP2), resume, metrics.jsonl,
+TensorBoard and progress bar; the run state (``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``)
+lives in ``output_dir``. At the end the trained weights are gathered on rank 0 (ZeRO-3 and FSDP2
+shards made whole), loaded into a fresh copy of the seeded start, LoRA merged, and the checkpoint, a
+standard Hugging Face directory (``config.json``, ``model.safetensors``, tokenizer files) plus
+``pretrain_summary.json``, is written into ``output_dir``, the summary last: ``is_pretrained`` never
+accepts a half-written directory.
 
 Run (2 CPU cores; about 1-2 minutes for the defaults on the default task)::
 
     python -m zcvae.backbone.pretraining output_dir=runs/backbone    # or: zcvae pretrain --output-dir runs/backbone
+    torchrun --nproc_per_node 2 -m zcvae pretrain --backbone DIR --engine deepspeed --deepspeed-config zero3 ...
 
 Shape legend: B batch, T sequence length, V vocabulary; decoding: R rows, L prompt + generated tokens.
 """
@@ -78,7 +84,8 @@ class PretrainConfig(StrictDataclass):
     """Validation JSONL for ``train_data``; without it the last ``num_val_examples`` lines (at most a
     tenth of the file) are held out."""
     output_dir: str = "runs/backbone"
-    """Where the checkpoint goes (replaced if it exists)."""
+    """Where the checkpoint goes (replaced if it exists, unless ``resume``), with the stage's run state
+    (checkpoints/, metrics.jsonl, tensorboard/)."""
     backbone: str | None = None
     """A pretrained causal LM to fine-tune z-free instead of a tiny model from scratch: a local Hugging
     Face directory or a ``.gguf`` file (converted once into the cache). This is the entangled stage for
@@ -697,6 +704,7 @@ def _prepare_output_dir(run_dir: Path, *, resume: bool, is_main: bool, log) -> N
     """Make ``run_dir`` ready for the stage. The summary goes first, so ``is_pretrained`` is False from
     here until the new checkpoint is complete. Without ``resume`` an earlier stage there (finished or
     not) is replaced, as before; a directory that holds no stage is refused, not deleted."""
+    from zcvae.distributed import barrier
     from zcvae.runs.lock import LOCK_FILE
 
     if run_dir.exists() and not run_dir.is_dir():
@@ -705,6 +713,7 @@ def _prepare_output_dir(run_dir: Path, *, resume: bool, is_main: bool, log) -> N
     if entries and not any(name in entries for name in (SUMMARY_FILE, *_RUN_STATE)):
         raise ValueError(f"output_dir {str(run_dir)!r} holds other files ({', '.join(entries[:4])}), not a pretraining stage: "
                          f"choose another --output-dir")
+    barrier()  # every rank has looked before rank 0 changes anything, so all take the same decision
     if is_main:
         (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
         if not resume and entries:
@@ -795,6 +804,10 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) ->
     is_main = info.rank == 0
     say = log if is_main else (lambda *a, **k: None)
     run_dir = Path(config.output_dir)
+    if config.device != "auto" and _resolve_device(config.device).type != info.device.type:
+        # the engines place each rank on its own device (zcvae.distributed), as in `zcvae train`
+        say(f"[pretrain] device {config.device!r}: the engine runs this rank on {info.device} "
+            f"(CUDA_VISIBLE_DEVICES= keeps a CUDA machine on the CPU)")
     micro_batch_size, rest = divmod(config.batch_size, config.gradient_accumulation_steps * info.world_size)
     if rest or micro_batch_size < 1:
         raise ValueError(f"batch_size {config.batch_size} must be a multiple of gradient_accumulation_steps "
