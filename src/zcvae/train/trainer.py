@@ -1,4 +1,4 @@
-"""The training loop: read it top to bottom.
+"""The CVAE run: set-up, the CVAE objective on the shared step loop (zcvae.loop), the final evaluation.
 
     zcvae train --task sort --output-dir runs/a                          # one process
     torchrun --nproc_per_node 2 -m zcvae train --engine fsdp2 ...        # one node, two ranks
