@@ -734,7 +734,7 @@ class SpanNLLObjective:
     def __init__(self, *, engine, train_all: Batch, tokens: TemplateTokens, seed: int, z_template_share: float, global_batch: int):
         self.engine, self.train_all, self.tokens = engine, train_all, tokens
         self.seed, self.share, self.global_batch = seed, z_template_share, global_batch
-        self.loss_sum = 0.0
+        self.num_tokens = 0.0  # this rank's input tokens so far (train_tokens_per_s)
 
     def begin_step(self, step: int) -> None:
         pass
@@ -762,6 +762,7 @@ class SpanNLLObjective:
         tokens_B = sup_BT.sum(1).float()
         # per row: its mean token NLL, weighted by its tokens in the window, so the window mean is the token mean
         terms = {"valid": tokens_B, "loss": nll_BT.detach().sum(1) / tokens_B.clamp_min(1)}
+        self.num_tokens += float(mask_BT.sum())
         return MicroLoss(loss=loss, terms=terms, tokens=float(mask_BT.sum()))
 
     def end_step(self, done: int) -> None:
@@ -813,10 +814,10 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) ->
         raise ValueError(f"batch_size {config.batch_size} must be a multiple of gradient_accumulation_steps "
                          f"{config.gradient_accumulation_steps} x world size {info.world_size}")
 
-    def build_model():
+    def build_model(log=say):
         """The model before training, the same on every rank and on every call (seeded)."""
         if config.backbone is not None:
-            model, tokenizer, tokens, source = load_backbone_for_finetune(config, log=say)
+            model, tokenizer, tokens, source = load_backbone_for_finetune(config, log=log)
             return model, tokenizer, tokens, source
         torch.manual_seed(config.seed)
         model_config = tiny_llama_config(
@@ -860,7 +861,6 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) ->
         x_of = {ex.id: ex.x for ex in val_ex}
         decision_pos = [(task.decision_positions(x_of[ex.id]) or (0,))[0] for ex in val]
         floor = sum(task.y_entropy(x_of[ex.id]) for ex in val) / max(len(val), 1)
-    initial = evaluate_nll(model, val, tokens, decision_positions=decision_pos)  # before any engine shards it
 
     trained = [p for p in model.parameters() if p.requires_grad]
     groups = [g for g in ({"name": "decay", "params": [p for p in trained if p.ndim >= 2], "weight_decay": config.weight_decay,
@@ -869,6 +869,8 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) ->
                            "lr": config.learning_rate}) if g["params"]]
     engine = build_engine(config.engine_config(), model=model, param_groups=groups, learning_rate=config.learning_rate,
                           weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    # on the engine's device, through its module (a sharded model's forwards are collectives), before a resume loads
+    initial = evaluate_nll(engine.module, val, tokens, decision_positions=decision_pos)
     global_batch = micro_batch_size * config.gradient_accumulation_steps * info.world_size
     checkpoints = CheckpointManager(run_dir / CHECKPOINTS, keep=config.keep_last_checkpoints, is_main=is_main)
     start_step = 0
@@ -915,6 +917,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) ->
     train_time = time.perf_counter() - train_start
     # CPU seconds of this process: on a shared machine, a steadier measure of cost than wall time.
     train_cpu_time = time.process_time() - train_cpu_start
+    total_tokens = float(engine.all_reduce(torch.tensor(objective.num_tokens, dtype=torch.float64)))
     final = results["final"]
     logger.close()
 
@@ -944,6 +947,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) ->
             "train_time_s": train_time,
             "train_cpu_time_s": train_cpu_time,
             "num_threads": torch.get_num_threads(),
+            "train_tokens_per_s": total_tokens / max(train_time, 1e-9),
             "val_initial": initial,
             "val": final,
             # With equiprobable strategies and each y deterministic given (x, strategy), the best possible
@@ -954,7 +958,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) ->
         if decoding is not None:
             summary["decoding"] = decoding
         summary["wall_time_s"] = time.perf_counter() - start_time
-        fresh = build_model()[0]
+        fresh = build_model(log=lambda *a, **k: None)[0]
         params = dict(fresh.named_parameters())
         missing = sorted(set(trained_state) - set(params))
         if missing:
