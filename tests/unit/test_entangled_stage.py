@@ -9,6 +9,7 @@ marker again and whose validation NLL is the one the summary reports (so the mer
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,65 @@ def test_decision_word_maps_to_its_token_for_word_level_and_bpe_tokenizers():
     pieces = bpe.convert_ids_to_tokens(ids)
     assert "".join(pieces[:position]).replace("Ġ", " ").strip() == "2 2 0 8"
     assert "".join(pieces[position:position + 6]).replace("Ġ", " ").strip() == "count"
+
+
+def test_stage_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, raw_tiny_backbone):
+    """A stage stopped after its step-2 checkpoint (the later checkpoint and the HF files gone, as a crash
+    leaves them) and resumed with resume="auto" ends with bitwise the weights of an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    source = raw_tiny_backbone()
+    settings = dict(max_steps=4, save_every=2, keep_last_checkpoints=5, log_every=1)
+    pretrain(stage_config(source, tmp_path / "a", **settings), log=lambda *_: None)
+    b = tmp_path / "b"
+    pretrain(stage_config(source, b, **settings), log=lambda *_: None)
+    assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    shutil.rmtree(b / "checkpoints" / "step_00000004")
+    for name in ("pretrain_summary.json", "model.safetensors"):
+        (b / name).unlink()
+    assert not is_pretrained(b)
+
+    lines = []
+    summary = pretrain(stage_config(source, b, resume="auto", **settings), log=lines.append)
+    assert "[resume] from step 2" in lines and summary["resumed_from_step"] == 2
+    assert is_pretrained(b)
+    want, got = load_file(tmp_path / "a" / "model.safetensors"), load_file(b / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # each step logged once, the replayed ones with the uninterrupted run's loss
+    records = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
+    train_b = [r for r in records if r["split"] == "train"]
+    train_a = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    train_a = [r for r in train_a if r["split"] == "train"]
+    assert [r["step"] for r in train_b] == [1, 2, 3, 4]
+    assert [r["loss"] for r in train_b] == [r["loss"] for r in train_a]
+
+
+def test_stage_writes_its_run_state_and_a_rerun_replaces_it(tmp_path, raw_tiny_backbone):
+    """metrics.jsonl, TensorBoard and checkpoints live in the output directory next to the HF files;
+    train's backbone check accepts the directory; a second run without resume replaces the first."""
+    from zcvae.model.cvae import _check_backbone_files
+
+    source = raw_tiny_backbone()
+    out = tmp_path / "stage"
+    pretrain(stage_config(source, out, log_every=2), log=lambda *_: None)
+    names = {p.name for p in out.iterdir()}
+    assert {"checkpoints", "metrics.jsonl", "tensorboard", "config.json", "model.safetensors", "pretrain_summary.json"} <= names
+    assert not any(name.endswith(".tmp") for name in names)
+    _check_backbone_files(str(out))
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["split"] == "train"]
+    assert steps == [2, 4, 6]
+    pretrain(stage_config(source, out, log_every=3), log=lambda *_: None)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["split"] == "train"]
+    assert steps == [3, 6] and is_pretrained(out)
+
+
+def test_stage_refuses_a_directory_that_holds_no_stage(tmp_path, raw_tiny_backbone):
+    source = raw_tiny_backbone()
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="holds other files .*notes.txt.*not a pretraining stage"):
+        pretrain(stage_config(source, out), log=lambda *_: None)
+    assert (out / "notes.txt").read_text() == "keep me"

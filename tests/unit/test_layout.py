@@ -12,7 +12,7 @@ LAYERS = (
     ("strict", "_version"),
     ("runs", "core", "distributed", "templates"),
     ("data",),
-    ("model", "engines", "reference"),
+    ("model", "engines", "reference", "loop"),
     ("backbone",),
     ("config",),
     ("export",),

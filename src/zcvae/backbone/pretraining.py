@@ -14,14 +14,20 @@ Why both: in the prototype a backbone pretrained on the z-free template alone we
 nats of y NLL when a z section was inserted, and LoRA did not repair it; with half of the examples in
 the z-shaped template the CVAE's z rows can start as the ``<znull>`` row and the decoder reads them.
 
-Loss: mean token NLL over the supervised span (y and ``</y>``), fp32, AdamW, linear warm-up then
-cosine decay to ``min_lr_ratio`` of the peak. The checkpoint is a standard Hugging Face directory
-(``config.json``, ``model.safetensors``, tokenizer files) plus ``pretrain_summary.json``; it is written
-to ``output_dir + ".tmp"`` and renamed, so ``is_pretrained`` never accepts a half-written directory.
+Loss: mean token NLL over the supervised span (y and ``</y>``) of the global batch, fp32, AdamW, linear
+warm-up then cosine decay to ``min_lr_ratio`` of the peak. The steps run on the loop that ``zcvae train``
+runs on (``zcvae.loop``), with its engines (local/DDP, DeepSpeed ZeRO, FSDP2), resume, metrics.jsonl,
+TensorBoard and progress bar; the run state (``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``)
+lives in ``output_dir``. At the end the trained weights are gathered on rank 0 (ZeRO-3 and FSDP2
+shards made whole), loaded into a fresh copy of the seeded start, LoRA merged, and the checkpoint, a
+standard Hugging Face directory (``config.json``, ``model.safetensors``, tokenizer files) plus
+``pretrain_summary.json``, is written into ``output_dir``, the summary last: ``is_pretrained`` never
+accepts a half-written directory.
 
 Run (2 CPU cores; about 1-2 minutes for the defaults on the default task)::
 
     python -m zcvae.backbone.pretraining output_dir=runs/backbone    # or: zcvae pretrain --output-dir runs/backbone
+    torchrun --nproc_per_node 2 -m zcvae pretrain --backbone DIR --engine deepspeed --deepspeed-config zero3 ...
 
 Shape legend: B batch, T sequence length, V vocabulary; decoding: R rows, L prompt + generated tokens.
 """
@@ -79,7 +85,8 @@ class PretrainConfig(StrictDataclass):
     """Validation JSONL for ``train_data``; without it the last ``num_val_examples`` lines (at most a
     tenth of the file) are held out."""
     output_dir: str = "runs/backbone"
-    """Where the checkpoint goes (replaced if it exists)."""
+    """Where the checkpoint goes (replaced if it exists, unless ``resume``), with the stage's run state
+    (checkpoints/, metrics.jsonl, tensorboard/)."""
     backbone: str | None = None
     """A pretrained causal LM to fine-tune z-free instead of a tiny model from scratch: a local Hugging
     Face directory or a ``.gguf`` file (converted once into the cache). This is the entangled stage for
@@ -133,7 +140,29 @@ class PretrainConfig(StrictDataclass):
     num_decode_examples: int = 64
     """Validation x decoded (greedy and sampled) after training to count strategies; 0 skips."""
     device: str = "auto"
-    """"auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:1", ..."""
+    """"auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:1", ...; under torchrun each rank
+    takes the device the engine gives it (``zcvae.distributed``)."""
+    engine: str = "local"
+    """``local`` (one process, or DDP under torchrun), ``deepspeed`` (ZeRO stage from ``deepspeed_config``)
+    or ``fsdp2``, as in ``zcvae train`` (``zcvae.engines``)."""
+    deepspeed_config: str | None = None
+    """DeepSpeed only: a JSON file or a built-in name (``zero0`` ... ``zero3_offload``); None = ``zero2``."""
+    precision: str = "fp32"
+    """``fp32`` or ``bf16`` (see ``zcvae.engines.EngineConfig``); keep CPU/gloo runs in fp32."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step on each rank: ``batch_size`` (the examples of one step over all
+    ranks) = micro-batch size x ``gradient_accumulation_steps`` x world size, which must divide it."""
+    save_every: int = 0
+    """Steps between resumable checkpoints in ``output_dir/checkpoints``; 0: only the final one."""
+    keep_last_checkpoints: int = 2
+    """Checkpoints kept in ``output_dir/checkpoints``."""
+    resume: str | None = None
+    """``auto``: continue the stage from the newest checkpoint in ``output_dir/checkpoints`` (a fresh
+    start when there is none), or a checkpoint directory."""
+    progress_bar: bool = True
+    """A tqdm bar on rank 0."""
 
     def __post_init__(self) -> None:
         if self.task is not None and self.train_data is not None:
@@ -200,6 +229,25 @@ class PretrainConfig(StrictDataclass):
             raise ValueError(f"output_dir must be a non-empty path, got {self.output_dir!r}")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self.engine_config()  # engine, deepspeed_config, precision, gradient_checkpointing (ValueError naming the field)
+        for name in ("gradient_accumulation_steps", "keep_last_checkpoints"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) or self.save_every < 0:
+            raise ValueError(f"save_every must be an int >= 0, got {self.save_every!r}")
+        if self.batch_size % self.gradient_accumulation_steps:
+            raise ValueError(f"batch_size {self.batch_size} must be divisible by gradient_accumulation_steps {self.gradient_accumulation_steps}")
+        if self.resume is not None and (not isinstance(self.resume, str) or not self.resume):
+            raise ValueError(f"resume must be 'auto' or a checkpoint directory, got {self.resume!r}")
+        if not isinstance(self.progress_bar, bool):
+            raise ValueError(f"progress_bar must be a bool, got {self.progress_bar!r}")
+
+    def engine_config(self):
+        from zcvae.engines import EngineConfig
+
+        return EngineConfig(engine=self.engine, deepspeed_config=self.deepspeed_config, precision=self.precision,
+                            gradient_checkpointing=self.gradient_checkpointing)
 
 
 def tiny_llama_config(
@@ -631,56 +679,196 @@ def _resolve_device(name: str) -> torch.device:
 def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> dict:
     """Train the backbone, write the checkpoint to ``config.output_dir`` and return the summary.
 
+    The steps run on the training loop of ``zcvae train`` (``zcvae.train.loop``) and its engines, so the
+    stage runs multi-process under torchrun, resumes (``resume="auto"``) and logs metrics.jsonl and
+    TensorBoard into ``output_dir``; its checkpoints go to ``output_dir/checkpoints``.
+
     The summary (also ``pretrain_summary.json``) holds the resolved config, steps, wall time, the
     validation y NLL per template before and after training (nats per sequence and per token, per
     strategy; for a built-in task also on each example's decision token), the floor (the validation mean
     of H(y | x): log S for S strategies that give S different ys) for a built-in task, and the
     decoding report when a task parser is available.
     """
+    from zcvae.distributed import dist_info
+    from zcvae.runs.lock import RunLock
+    from zcvae.loop.guards import StopSignals
+
     flush_denormals(log=log)
     previous_threads = torch.get_num_threads()
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(free_cpu_cores())
     try:
-        return _pretrain(config, log=log)
+        # as in `zcvae train`: the stop handlers first, then rank 0 holds the directory's lock
+        with StopSignals() as signals:
+            lock = RunLock(Path(config.output_dir)) if dist_info().rank == 0 else None
+            if lock is not None:
+                lock.acquire()
+            try:
+                return _pretrain(config, log=log, signals=signals)
+            finally:
+                if lock is not None:
+                    lock.release()
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
-    start_time = time.perf_counter()
-    device = _resolve_device(config.device)
-    source = None
-    if config.backbone is not None:
-        model, tokenizer, tokens, source = load_backbone_for_finetune(config, log=log)
-        _, _, train_ex, val_ex, task = _load_data(config, tokenizer=tokenizer)
-        model = model.to(device)
-    else:
-        tokenizer, tokens, train_ex, val_ex, task = _load_data(config)
-    train = _encode(train_ex, tokenizer, tokens, max_length=config.max_length, what="train", log=log)
-    val = _encode(val_ex, tokenizer, tokens, max_length=config.max_length, what="val", log=log)
-    # One collated copy of the whole training set; each step selects rows and trims padding columns.
-    train_all = collate(train, tokens)
+# What a stage's output directory may hold besides the checkpoint files: its run state and the lock.
+_RUN_STATE = ("checkpoints", "metrics.jsonl", "tensorboard")
 
-    if config.backbone is None:
+
+def _prepare_output_dir(run_dir: Path, *, resume: bool, is_main: bool, log) -> None:
+    """Make ``run_dir`` ready for the stage. The summary goes first, so ``is_pretrained`` is False from
+    here until the new checkpoint is complete. Without ``resume`` an earlier stage there (finished or
+    not) is replaced, as before; a directory that holds no stage is refused, not deleted."""
+    from zcvae.distributed import barrier
+    from zcvae.runs.lock import LOCK_FILE
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"output_dir {str(run_dir)!r} is an existing file; choose a directory")
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
+    if entries and not any(name in entries for name in (SUMMARY_FILE, *_RUN_STATE)):
+        raise ValueError(f"output_dir {str(run_dir)!r} holds other files ({', '.join(entries[:4])}), not a pretraining stage: "
+                         f"choose another --output-dir")
+    barrier()  # every rank has looked before rank 0 changes anything, so all take the same decision
+    if is_main:
+        (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+        if not resume and entries:
+            log(f"[pretrain] replacing the earlier stage in {run_dir}")
+            for name in entries:
+                path = run_dir / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+
+class SpanNLLObjective:
+    """The entangled stage's objective for ``zcvae.train.loop``: z-free mean token NLL over the
+    supervised span (y and ``</y>``) of the two-template mix, over the global batch's tokens.
+
+    Each row's template is drawn from (seed, step, its place in the global batch), so every world size
+    and accumulation draws the same mix."""
+
+    def __init__(self, *, engine, train_all: Batch, tokens: TemplateTokens, seed: int, z_template_share: float, global_batch: int):
+        self.engine, self.train_all, self.tokens = engine, train_all, tokens
+        self.seed, self.share, self.global_batch = seed, z_template_share, global_batch
+        self.num_tokens = 0.0  # this rank's input tokens so far (train_tokens_per_s)
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list:
+        digest = hashlib.sha256(f"zcvae pretrain templates {self.seed} {step}".encode()).digest()
+        draws = torch.rand(self.global_batch, generator=torch.Generator().manual_seed(int.from_bytes(digest[:8], "little")))
+        out = []
+        for rows, places in zip(micro, positions):
+            use_z_B = draws[places] < self.share
+            out.append(tuple(t.to(self.engine.device) for t in mix_templates(self.train_all.select(rows), use_z_B, pad_id=self.tokens.pad)))
+        return out
+
+    def counts(self, batches) -> list[float]:
+        return [float(sum(ids.shape[0] for ids, _, _ in batches)),
+                float(sum(int((labels[:, 1:] != IGNORE_INDEX).sum()) for _, _, labels in batches))]
+
+    def micro_loss(self, batch, *, index: int, num_micro: int, micro, global_count, global_tokens, window):
+        from zcvae.loop import MicroLoss
+
+        ids_BT, mask_BT, labels_BT = batch
+        logits_BTV = self.engine.module(input_ids=ids_BT, attention_mask=mask_BT).logits
+        nll_BT, sup_BT = span_nll(logits_BTV, labels_BT)
+        loss = nll_BT.sum() / global_tokens  # the mean token NLL over the global batch's y and </y>
+        tokens_B = sup_BT.sum(1).float()
+        # per row: its mean token NLL, weighted by its tokens in the window, so the window mean is the token mean
+        terms = {"valid": tokens_B, "loss": nll_BT.detach().sum(1) / tokens_B.clamp_min(1)}
+        self.num_tokens += float(mask_BT.sum())
+        return MicroLoss(loss=loss, terms=terms, tokens=float(mask_BT.sum()))
+
+    def end_step(self, done: int) -> None:
+        pass
+
+    def window_metrics(self) -> dict[str, float]:
+        return {}
+
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {"loss": f"{metrics.get('loss', float('nan')):.4f}"}
+
+
+class _StageLogger:
+    """The RunLogger (rank 0: metrics.jsonl + TensorBoard) plus the stage's progress lines."""
+
+    def __init__(self, inner, *, say, max_steps: int):
+        self.inner, self.say, self.max_steps = inner, say, max_steps
+        self.start = time.perf_counter()
+
+    def log(self, split: str, step: int, metrics: dict) -> None:
+        self.inner.log(split, step, metrics)
+        if split == "train":
+            lr = next((v for k, v in sorted(metrics.items()) if k.startswith("learning_rate/")), float("nan"))
+            self.say(f"step {step}/{self.max_steps} loss {metrics.get('loss', float('nan')):.4f} lr {lr:.2e} "
+                     f"tokens/s {metrics.get('tokens_per_second', 0.0):.0f} elapsed {time.perf_counter() - self.start:.1f}s")
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) -> dict:
+    from zcvae.distributed import init_distributed
+    from zcvae.engines import build_engine
+    from zcvae.runs.checkpoint import CheckpointManager
+    from zcvae.runs.rundir import CHECKPOINTS, METRICS, truncate_metrics
+    from zcvae.loop import LoopSettings, RunLogger, run_loop
+
+    start_time = time.perf_counter()
+    info = init_distributed()
+    is_main = info.rank == 0
+    say = log if is_main else (lambda *a, **k: None)
+    run_dir = Path(config.output_dir)
+    if config.device != "auto" and _resolve_device(config.device).type != info.device.type:
+        # the engines place each rank on its own device (zcvae.distributed), as in `zcvae train`
+        say(f"[pretrain] device {config.device!r}: the engine runs this rank on {info.device} "
+            f"(CUDA_VISIBLE_DEVICES= keeps a CUDA machine on the CPU)")
+    micro_batch_size, rest = divmod(config.batch_size, config.gradient_accumulation_steps * info.world_size)
+    if rest or micro_batch_size < 1:
+        raise ValueError(f"batch_size {config.batch_size} must be a multiple of gradient_accumulation_steps "
+                         f"{config.gradient_accumulation_steps} x world size {info.world_size}")
+
+    def build_model(log=say):
+        """The model before training, the same on every rank and on every call (seeded)."""
+        if config.backbone is not None:
+            model, tokenizer, tokens, source = load_backbone_for_finetune(config, log=log)
+            return model, tokenizer, tokens, source
         torch.manual_seed(config.seed)
         model_config = tiny_llama_config(
-            len(tokenizer),
+            len(tiny_tokenizer),
             hidden_size=config.hidden_size,
             num_layers=config.num_layers,
             num_heads=config.num_heads,
             intermediate_size=config.intermediate_size,
             max_position_embeddings=max(128, config.max_length),
-            bos_token_id=tokens.bos,
-            eos_token_id=tokens.eos,
-            pad_token_id=tokens.pad,
+            bos_token_id=tiny_tokens.bos,
+            eos_token_id=tiny_tokens.eos,
+            pad_token_id=tiny_tokens.pad,
         )
-        model = LlamaForCausalLM(model_config).to(device=device, dtype=torch.float32)
+        return LlamaForCausalLM(model_config).to(dtype=torch.float32), tiny_tokenizer, tiny_tokens, None
+
+    tiny_tokenizer = tiny_tokens = None
+    if config.backbone is not None:
+        model, tokenizer, tokens, source = build_model()
+        _, _, train_ex, val_ex, task = _load_data(config, tokenizer=tokenizer)
+    else:
+        tiny_tokenizer, tiny_tokens, train_ex, val_ex, task = _load_data(config)
+        model, tokenizer, tokens, source = build_model()
+    train = _encode(train_ex, tokenizer, tokens, max_length=config.max_length, what="train", log=say)
+    val = _encode(val_ex, tokenizer, tokens, max_length=config.max_length, what="val", log=say)
+    # One collated copy of the whole training set; each step selects rows and trims padding columns.
+    train_all = collate(train, tokens)
+    # only now, with the config, data and model known good: an earlier stage there is replaced
+    _prepare_output_dir(run_dir, resume=config.resume is not None, is_main=is_main, log=say)
+
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log(
+    say(
         f"backbone: {num_params / 1e6:.2f}M parameters ({num_trainable / 1e6:.3f}M trained), vocab {len(tokenizer)}, "
-        f"{len(train)} train / {len(val)} val examples, device {device}, {torch.get_num_threads()} threads"
+        f"{len(train)} train / {len(val)} val examples, engine {config.engine}, world {info.world_size}, "
+        f"device {info.device}, {torch.get_num_threads()} threads"
     )
     # Built-in families: where each validation y's strategies first part (the token that carries the
     # choice; position 0 for the marker-first families) and the best possible z-free NLL, H(y | x).
@@ -690,100 +878,117 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
         decision_pos = [word_token_position(tokenizer, y_of[ex.id], (task.decision_positions(x_of[ex.id]) or (0,))[0])
                         for ex in val]
         floor = sum(task.y_entropy(x_of[ex.id]) for ex in val) / max(len(val), 1)
-    initial = evaluate_nll(model, val, tokens, decision_positions=decision_pos)
 
     trained = [p for p in model.parameters() if p.requires_grad]
-    no_decay = [p for p in trained if p.ndim < 2]
-    decay = [p for p in trained if p.ndim >= 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.learning_rate,
-        betas=(0.9, 0.95),
-        fused=False,
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_multiplier(
-            step, warmup_steps=config.warmup_steps, max_steps=config.max_steps, min_lr_ratio=config.min_lr_ratio
-        ),
-    )
-    data_rng = torch.Generator().manual_seed(config.seed)
-    order: list[int] = []
-    model.train()
+    groups = [g for g in ({"name": "decay", "params": [p for p in trained if p.ndim >= 2], "weight_decay": config.weight_decay,
+                           "lr": config.learning_rate},
+                          {"name": "no_decay", "params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0,
+                           "lr": config.learning_rate}) if g["params"]]
+    engine = build_engine(config.engine_config(), model=model, param_groups=groups, learning_rate=config.learning_rate,
+                          weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    # on the engine's device, through its module (a sharded model's forwards are collectives), before a resume loads
+    initial = evaluate_nll(engine.module, val, tokens, decision_positions=decision_pos)
+    global_batch = micro_batch_size * config.gradient_accumulation_steps * info.world_size
+    checkpoints = CheckpointManager(run_dir / CHECKPOINTS, keep=config.keep_last_checkpoints, is_main=is_main)
+    start_step = 0
+    if config.resume is not None:
+        state = checkpoints.load(engine, config.resume, config=config, c_base=None)
+        start_step = state["step"]
+        if start_step > config.max_steps:
+            raise ValueError(f"resume: checkpoint {state['checkpoint']!r} is at step {start_step}, past max_steps {config.max_steps}; "
+                             f"resume with --max-steps {start_step} or more")
+        if start_step:
+            say(f"[resume] from step {start_step}")
+        if is_main:
+            truncate_metrics(run_dir / METRICS, after_step=start_step)
+    logger = _StageLogger(RunLogger(run_dir, enabled=is_main), say=say, max_steps=config.max_steps)
+    results: dict = {}
+
+    def run_eval(step: int) -> dict[str, float]:
+        stats = evaluate_nll(engine.module, val, tokens, decision_positions=decision_pos)
+        zf, zn = stats["zfree"], stats["znull"]
+        metrics = {"y_nll_per_example": zf["nll_per_example"], "y_nll_per_token": zf["nll_per_token"],
+                   "znull_y_nll_per_example": zn["nll_per_example"]}
+        if "decision_token_nll" in zf:
+            metrics["decision_token_nll"] = zf["decision_token_nll"]
+        logger.inner.log("eval", step, metrics)
+        if step != config.max_steps:
+            say(f"step {step} val y NLL {zf['nll_per_example']:.3f} nats/sequence{_decision_note(zf)}")
+        results["final"] = stats
+        return metrics
+
+    settings = LoopSettings(max_steps=config.max_steps, micro_batch_size=micro_batch_size,
+                            gradient_accumulation_steps=config.gradient_accumulation_steps, seed=config.seed,
+                            log_every=config.log_every, eval_every=config.eval_every, save_every=config.save_every,
+                            max_grad_norm=config.grad_clip if config.grad_clip > 0 else None,
+                            progress_bar=config.progress_bar, run_name=f"pretrain {run_dir.name}")
+    objective = SpanNLLObjective(engine=engine, train_all=train_all, tokens=tokens, seed=config.seed,
+                                 z_template_share=config.z_template_share, global_batch=global_batch)
     train_start, train_cpu_start = time.perf_counter(), time.process_time()
-    window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, train_start
-    total_tokens = 0
-    for step in range(1, config.max_steps + 1):
-        if len(order) < config.batch_size:
-            order += torch.randperm(len(train), generator=data_rng).tolist()
-        rows, order = order[: config.batch_size], order[config.batch_size :]
-        batch = train_all.select(rows)
-        use_z_B = torch.rand(len(rows), generator=data_rng) < config.z_template_share
-        ids_BT, mask_BT, labels_BT = (t.to(device) for t in mix_templates(batch, use_z_B, pad_id=tokens.pad))
-
-        logits_BTV = model(input_ids=ids_BT, attention_mask=mask_BT).logits
-        nll_BT, sup_BT = span_nll(logits_BTV, labels_BT)
-        loss = nll_BT.sum() / sup_BT.sum()  # mean token NLL over y and </y>
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(trained, config.grad_clip)
-        optimizer.step()
-        schedule.step()
-
-        window_loss += float(loss.detach())
-        window_steps += 1
-        num_tokens = int(mask_BT.sum())
-        window_tokens += num_tokens
-        total_tokens += num_tokens
-        if step % config.log_every == 0 or step == config.max_steps:
-            now = time.perf_counter()
-            log(
-                f"step {step}/{config.max_steps} loss {window_loss / window_steps:.4f} "
-                f"lr {schedule.get_last_lr()[0]:.2e} tokens/s {window_tokens / max(now - window_start, 1e-9):.0f} "
-                f"elapsed {now - train_start:.1f}s"
-            )
-            window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, now
-        if config.eval_every and step % config.eval_every == 0 and step != config.max_steps:
-            zf = evaluate_nll(model, val, tokens, decision_positions=decision_pos)["zfree"]
-            log(f"step {step} val y NLL {zf['nll_per_example']:.3f} nats/sequence{_decision_note(zf)}")
-            window_start = time.perf_counter()  # keep evaluation out of tokens/s
+    run_loop(engine=engine, objective=objective, settings=settings, num_examples=len(train),
+             peak_lrs=[g["lr"] for g in groups], group_names=[g["name"] for g in groups],
+             lr_factor=lambda step: lr_multiplier(step, warmup_steps=config.warmup_steps, max_steps=config.max_steps,
+                                                  min_lr_ratio=config.min_lr_ratio),
+             start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": config, "c_base": None},
+             evaluate=run_eval, logger=logger, signals=signals, log=say)
     train_time = time.perf_counter() - train_start
     # CPU seconds of this process: on a shared machine, a steadier measure of cost than wall time.
     train_cpu_time = time.process_time() - train_cpu_start
+    total_tokens = float(engine.all_reduce(torch.tensor(objective.num_tokens, dtype=torch.float64)))
+    final = results["final"]
+    logger.close()
 
-    final = evaluate_nll(model, val, tokens, decision_positions=decision_pos)
-    summary: dict = {
-        "finished": True,
-        "config": config.to_dict(),
-        "num_parameters": num_params,
-        "num_trained_parameters": num_trainable,
-        # where the weights came from (None: the tiny model from scratch) and the data they were fit to
-        "source": source,
-        "data_fingerprint": data_fingerprint(train_ex, val_ex),
-        "num_steps": config.max_steps,
-        "num_train_examples": len(train),
-        "num_val_examples": len(val),
-        "train_time_s": train_time,
-        "train_cpu_time_s": train_cpu_time,
-        "num_threads": torch.get_num_threads(),
-        "train_tokens_per_s": total_tokens / max(train_time, 1e-9),
-        "val_initial": initial,
-        "val": final,
-        # With equiprobable strategies and each y deterministic given (x, strategy), the best possible
-        # y-sequence NLL is the validation mean of H(y | x): log S where the S strategies give S
-        # different ys, all of it on the decision token.
-        "floor_nll_per_example": floor,
-    }
+    # every rank decodes (a sharded model's forwards are collectives), only rank 0 writes
+    decoding = None
     if task is not None and config.num_decode_examples > 0:
-        summary["decoding"] = decoding_report(
-            model, tokenizer, val[: config.num_decode_examples], tokens, task,
-            max_length=config.max_length, seed=config.seed,
-        )
-    summary["wall_time_s"] = time.perf_counter() - start_time
-    _write_checkpoint(merged_model(model), tokenizer, summary, config.output_dir)
+        decoding = decoding_report(engine.module, tokenizer, val[: config.num_decode_examples], tokens, task,
+                                   max_length=config.max_length, seed=config.seed)
+    # the trained weights, whole, on rank 0 (a collective: ZeRO-3 gathers, FSDP2 makes full tensors); the
+    # frozen weights are the seeded start's, so a fresh copy with the trained ones loaded in is the model
+    trained_state = engine.trainable_state_dict()
+    if is_main:
+        summary: dict = {
+            "finished": True,
+            "config": config.to_dict(),
+            "num_parameters": num_params,
+            "num_trained_parameters": num_trainable,
+            # where the weights came from (None: the tiny model from scratch) and the data they were fit to
+            "source": source,
+            "data_fingerprint": data_fingerprint(train_ex, val_ex),
+            "num_steps": config.max_steps,
+            "resumed_from_step": start_step or None,
+            "world_size": info.world_size,
+            "engine": config.engine,
+            "num_train_examples": len(train),
+            "num_val_examples": len(val),
+            "train_time_s": train_time,
+            "train_cpu_time_s": train_cpu_time,
+            "num_threads": torch.get_num_threads(),
+            "train_tokens_per_s": total_tokens / max(train_time, 1e-9),
+            "val_initial": initial,
+            "val": final,
+            # With equiprobable strategies and each y deterministic given (x, strategy), the best possible
+            # y-sequence NLL is the validation mean of H(y | x): log S where the S strategies give S
+            # different ys, all of it on the decision token.
+            "floor_nll_per_example": floor,
+        }
+        if decoding is not None:
+            summary["decoding"] = decoding
+        summary["wall_time_s"] = time.perf_counter() - start_time
+        fresh = build_model(log=lambda *a, **k: None)[0]
+        params = dict(fresh.named_parameters())
+        missing = sorted(set(trained_state) - set(params))
+        if missing:
+            raise RuntimeError(f"trained parameters {missing[:3]} are not in a fresh copy of the model")
+        with torch.no_grad():
+            for name, tensor in trained_state.items():
+                params[name].copy_(tensor)
+        _write_checkpoint(merged_model(fresh), tokenizer, summary, config.output_dir)
+    engine.barrier()
+    if not is_main:
+        return json.loads((run_dir / SUMMARY_FILE).read_text())
     zf, zn = final["zfree"], final["znull"]
-    log(
+    say(
         f"done in {summary['wall_time_s']:.1f}s: val y NLL z-free {zf['nll_per_example']:.3f} "
         f"{_decision_note(zf)}, znull {zn['nll_per_example']:.3f} nats/sequence"
         + (f", floor {floor:.3f}" if floor is not None else "")
@@ -793,7 +998,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None]) -> dict:
         for template, modes in summary["decoding"].items():
             for mode, d in modes.items():
                 freq = ", ".join(f"{s} {f:.2f}" for s, f in d["strategy_freq"].items())
-                log(f"decode {template} {mode}: {freq}; parse_ok {d['parse_ok']:.2f} answer acc {d['answer_accuracy']:.2f}")
+                say(f"decode {template} {mode}: {freq}; parse_ok {d['parse_ok']:.2f} answer acc {d['answer_accuracy']:.2f}")
     return summary
 
 
@@ -804,22 +1009,20 @@ def _decision_note(stats: dict) -> str:
 
 
 def _write_checkpoint(model, tokenizer, summary: dict, output_dir: str) -> None:
-    """Write into ``output_dir.tmp`` (summary last), then swap it in with renames."""
+    """Write the HF checkpoint into ``output_dir`` next to the stage's run state: every file goes to
+    ``output_dir/.checkpoint.tmp`` first and is renamed into place, the summary last (``is_pretrained``
+    reads it), so a crash at any point leaves nothing ``is_pretrained`` accepts."""
     final = Path(output_dir)
-    tmp = final.with_name(final.name + ".tmp")
-    old = final.with_name(final.name + ".old")
-    for stale in (tmp, old):
-        if stale.exists():
-            shutil.rmtree(stale)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final / ".checkpoint.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    if old.exists():
-        shutil.rmtree(old)
+    for path in sorted(tmp.iterdir(), key=lambda p: p.name == SUMMARY_FILE):
+        os.replace(path, final / path.name)
+    tmp.rmdir()
 
 
 def _parse_value(text: str):

@@ -572,6 +572,10 @@ def _train_argv(run: Run) -> list[str]:
     return [arg for group in params_to_flags(run.params) for arg in group] + ["--resume", "auto"]
 
 
+# Stage fields that say how a stage ran, not what it built: a finished stage is reused whatever they were.
+_STAGE_RUN_CONTROL = ("output_dir", "resume", "progress_bar", "log_every", "save_every", "keep_last_checkpoints")
+
+
 def stage_status(stage: Mapping[str, Any]) -> str:
     """``finished``, ``to run``, or ValueError when a finished stage in that directory was built with
     other settings (reusing it would hand the runs a backbone the family does not describe)."""
@@ -582,7 +586,7 @@ def stage_status(stage: Mapping[str, Any]) -> str:
         return "to run"
     wanted = PretrainConfig.from_dict(dict(stage)).to_dict()
     built = json.loads((directory / SUMMARY_FILE).read_text())["config"]
-    differ = sorted(k for k in wanted if k != "output_dir" and built.get(k) != wanted[k])
+    differ = sorted(k for k in wanted if k not in _STAGE_RUN_CONTROL and built.get(k) != wanted[k])
     if differ:
         raise ValueError(f"{directory}: holds an entangled stage built with other settings ("
                          + ", ".join(f"{k} {built.get(k)!r} there, {wanted[k]!r} in the family" for k in differ)
@@ -602,7 +606,8 @@ def _prebuild_backbones(runs: Sequence[Run], log) -> None:
             log(f"[sweep] entangled stage {directory}: finished, reused")
             continue
         log(f"[sweep] entangled stage {directory}: training ({', '.join(f'{k}={v}' for k, v in sorted(stage.items()) if k != 'output_dir')})")
-        pretrain(PretrainConfig.from_dict(dict(stage)), log=log)
+        # resume="auto": a stage interrupted with the sweep continues from its newest checkpoint
+        pretrain(PretrainConfig.from_dict({**stage, "resume": "auto"}), log=log)
     tasks = {run.params.get("task") for run in runs if run.params.get("backbone") is None and run.params.get("train_data") is None}
     for task in sorted(tasks, key=str):
         builtin_backbone(task, log=log)

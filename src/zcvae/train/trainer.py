@@ -1,4 +1,4 @@
-"""The training loop: read it top to bottom.
+"""The CVAE run: set-up, the CVAE objective on the shared step loop (zcvae.loop), the final evaluation.
 
     zcvae train --task sort --output-dir runs/a                          # one process
     torchrun --nproc_per_node 2 -m zcvae train --engine fsdp2 ...        # one node, two ranks
@@ -13,15 +13,11 @@ step. The trainer never branches on the engine type.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import random
 import shutil
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,72 +26,17 @@ import torch
 from zcvae._version import __version__
 from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at, train_run_name
 from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
-from zcvae.data.dataset import global_batch_indices, load_splits, passes_over_data, rank_micro_batches
-from zcvae.distributed import dist_info, flush_denormals, free_cpu_cores, init_distributed, reduce_metrics
-from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS
+from zcvae.data.dataset import load_splits, passes_over_data
+from zcvae.distributed import dist_info, flush_denormals, free_cpu_cores, init_distributed
 from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
 from zcvae.runs.lock import LOCK_FILE, RunLock
 from zcvae.train.faults import fault_injection_from_env
 from zcvae.train.grad_probe import PROBE_SPLIT, GradientProbe
-from zcvae.train.guards import Preempted, StepGuard, StopSignals, check_finite_weights
+from zcvae.loop import LoopSettings, MetricWindow, MicroLoss, RunLogger, run_loop  # noqa: F401 - MetricWindow, RunLogger: their home is zcvae.loop
+from zcvae.loop.guards import StopSignals
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.templates import collate, encode_examples
 
-
-
-# --------------------------------------------------------------------------- metric windows
-@dataclass
-class MetricWindow:
-    """Per-rank running sums/minima/maxima of per-example values; reduced exactly across ranks.
-
-    Tensors stay on the device until :meth:`reduce`, so logging costs no host sync per micro-batch.
-    """
-
-    sums: dict = field(default_factory=dict)
-    counts: dict = field(default_factory=dict)
-    mins: dict = field(default_factory=dict)
-    maxs: dict = field(default_factory=dict)
-    totals: dict = field(default_factory=dict)
-
-    def add_examples(self, values: dict[str, torch.Tensor], valid_B: torch.Tensor) -> None:
-        valid_B = valid_B.detach().float()
-        has = valid_B > 0
-        for name, value_B in values.items():
-            if name == "valid":
-                continue
-            value_B = value_B.detach().float()
-            how = DIAGNOSTIC_REDUCTIONS.get(name, "mean")
-            if how == "mean":
-                self._add(self.sums, name, (value_B * valid_B).sum())
-                self._add(self.counts, name, valid_B.sum())
-            elif how == "min":
-                self._reduce(self.mins, name, torch.where(has, value_B, torch.full_like(value_B, math.inf)).min(), torch.minimum)
-            elif how == "max":
-                self._reduce(self.maxs, name, torch.where(has, value_B, torch.full_like(value_B, -math.inf)).max(), torch.maximum)
-            else:  # "sum": a count over examples (e.g. degenerate)
-                self._add(self.totals, name, value_B.sum())
-
-    def add_scalar(self, name: str, value, weight=1.0) -> None:
-        """A value that is the same on every rank (or a per-rank value to average over ranks)."""
-        self._add(self.sums, name, torch.as_tensor(value, dtype=torch.float64) * weight)
-        self._add(self.counts, name, torch.as_tensor(weight, dtype=torch.float64))
-
-    def reduce(self) -> dict[str, float]:
-        out = reduce_metrics(sums=self.sums, counts=self.counts, mins=self.mins, maxs=self.maxs)
-        if self.totals:
-            totals = reduce_metrics(sums=self.totals, counts={k: 1.0 for k in self.totals})
-            out.update({k: totals[f"{k}/sum"] for k in self.totals})
-        return {k: v for k, v in out.items() if not k.endswith(("/sum", "/count"))}
-
-    @staticmethod
-    def _add(store: dict, name: str, value: torch.Tensor) -> None:
-        value = value.detach().to(torch.float64)
-        store[name] = store[name] + value if name in store else value
-
-    @staticmethod
-    def _reduce(store: dict, name: str, value: torch.Tensor, fn) -> None:
-        value = value.detach().to(torch.float64)
-        store[name] = fn(store[name], value) if name in store else value
 
 
 # --------------------------------------------------------------------------- run directory
@@ -118,43 +59,6 @@ def git_revision() -> str | None:
         return rev.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-class RunLogger:
-    """metrics.jsonl plus TensorBoard (tags ``train/NAME``, ``eval/NAME``), written by rank 0 only."""
-
-    def __init__(self, run_dir: Path, *, enabled: bool):
-        self.enabled = enabled
-        self.writer = None
-        if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-            self.jsonl = open(run_dir / METRICS, "a", buffering=1)
-
-    def log(self, split: str, step: int, metrics: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        record = {"step": step, "split": split, **{k: _jsonable(v) for k, v in metrics.items()}}
-        self.jsonl.write(json.dumps(record, sort_keys=True) + "\n")
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(float(value)):
-                self.writer.add_scalar(f"{split}/{name}", float(value), step)
-        self.writer.flush()
-
-    def hparams(self, cfg: TrainConfig, final: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        hp = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in cfg.to_dict().items()}
-        metrics = {f"hparam/{k}": float(v) for k, v in final.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
-        self.writer.add_hparams(hp, metrics, run_name="hparams")
-        self.writer.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2) + "\n```")
-        self.writer.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.writer.close()
-            self.jsonl.close()
 
 
 def _inside(path: Path, directory: Path) -> bool:
@@ -218,12 +122,6 @@ def check_output_dir_path(run_dir: Path) -> None:
         if parent.exists() and not parent.is_dir():
             where = "is an existing file" if parent == run_dir else f"lies under {str(parent)!r}, which is a file"
             raise ValueError(f"output_dir {str(run_dir)!r} {where}; choose a directory with --output-dir")
-
-
-def _jsonable(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 # --------------------------------------------------------------------------- the loop
@@ -373,86 +271,17 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
         logger.log("eval", step, metrics)
         return metrics
 
-    # 5. the loop
-    progress = _progress(cfg, start_step, enabled=is_main)
-    guard = StepGuard(skip_budget=cfg.skip_nonfinite_steps, signals=signals, log=say)
-    window = MetricWindow()
-    window_tokens, window_start = 0.0, time.perf_counter()
+    # 5. the loop (zcvae.train.loop), with the CVAE objective of one micro-batch
     # seed 002's posterior gradient, every grad_probe_every steps (zcvae.train.grad_probe: reads the same forward)
     probe = GradientProbe.for_model(model, task=splits.task, tokenizer=model.tokenizer) if cfg.grad_probe_every else None
-    window_first = start_step  # a resume between two log steps starts a shorter first window
-    for step in range(start_step, cfg.max_steps):
-        probing = probe is not None and (step + 1) % cfg.grad_probe_every == 0
-        beta = kl_weight_at(cfg, step)
-        lr_factor = lr_factor_at(cfg, step)
-        engine.set_learning_rates([lr * lr_factor for lr in peak_lrs])
-        indices = global_batch_indices(num_examples=len(train_enc), global_batch_size=global_batch, step=step, seed=cfg.seed)
-        micro = rank_micro_batches(indices, micro_batch_size=cfg.micro_batch_size, accumulation_steps=cfg.gradient_accumulation_steps, rank=info.rank, world_size=info.world_size)
-        batches = [collate([train_enc[i] for i in mb], model.tokens, num_z_slots=num_slots).to(info.device) for mb in micro]
-        # the global counts of valid examples and of supervised tokens, before any forward (every kept
-        # example has n_i >= 1); tokens per example is the `token` mode's normaliser (core.losses)
-        local_counts = [float(sum(len(b) for b in batches)), float(sum(int(b.num_supervised.sum()) for b in batches))]
-        global_count, global_tokens = engine.all_reduce(torch.tensor(local_counts, device=info.device))
-        mean_num_tokens = global_tokens / global_count.clamp_min(1)
-        for m, batch in enumerate(batches):
-            ref_nll_BN = reference.ref_nll(engine, batch)  # before the training forward (ZeRO-3 ordering)
-            out = engine.module(batch, mode="train")
-            terms = per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=reference.c_base.value, recon_config=recon_cfg, kl_weight=beta, aux=aux,
-                                          mean_num_tokens=mean_num_tokens)
-            loss = terms["loss"].sum() / global_count
-            if out.posterior is not None:
-                local_q_K = (out.posterior * terms["valid"][:, None]).sum(0)
-                # this global micro-batch's own count, not the step's: else the marginal sums to 1/accumulation
-                global_qn = engine.all_reduce(torch.cat([local_q_K.detach(), terms["valid"].detach().float().sum()[None]]))
-                marginal, router = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=global_qn[:-1], global_count=global_qn[-1], aux=aux)
-                loss = loss + marginal / len(batches)
-                for name, value in router.items():
-                    window.add_scalar(name, value)
-            if probing:
-                probe.accumulate(reconstruction=(terms["weighted_reconstruction_loss"] * terms["valid"]).sum() / global_count,
-                                 kl=terms["kl"].sum() / global_count, examples=[train_enc[i] for i in micro[m]])
-            engine.backward(loss, sync=m == len(batches) - 1)
-            guard.add(terms, loss)
-            window.add_examples(terms, terms["valid"])
-            window_tokens += float(batch.num_supervised.sum())
-        grad_norm = engine.step(max_grad_norm=cfg.max_grad_norm)
-        # every rank gets the same verdict; a divergence past --skip-nonfinite-steps raises here
-        verdict = guard.check(engine, step=step + 1, grad_norm=grad_norm, global_count=global_count)
-        window.add_scalar("grad_norm", grad_norm)
-        progress.update(1)
-
-        done = step + 1
-        if probing:
-            logger.log(PROBE_SPLIT, done, probe.result(kl_weight=beta, all_reduce=engine.all_reduce))
-        if done % cfg.log_every == 0 or done == cfg.max_steps:
-            metrics = window.reduce()
-            elapsed = time.perf_counter() - window_start
-            tokens = float(engine.all_reduce(torch.tensor(window_tokens, dtype=torch.float64)))
-            metrics.update(kl_weight=beta, tokens_per_second=tokens / max(elapsed, 1e-9), c_base=reference.c_base.value)
-            metrics.update({f"learning_rate/{g['name']}": lr * lr_factor for g, lr in zip(groups, peak_lrs)})
-            if window_first > (done - 1) // cfg.log_every * cfg.log_every:
-                # the steps before the checkpoint were averaged by the interrupted run and never logged
-                metrics["window_steps"] = done - window_first
-            window_first = done
-            logger.log("train", done, metrics)
-            progress.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}", kl=f"{metrics.get('kl', float('nan')):.3f}")
-            window, window_tokens, window_start = MetricWindow(), 0.0, time.perf_counter()
-        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
-            run_eval(done)
-        stop = verdict == "stop" and done != cfg.max_steps  # preempted: save here, then end
-        if (cfg.save_every and done % cfg.save_every == 0 and done != cfg.max_steps) or stop:
-            check_finite_weights(engine, step=done)
-            checkpoints.save(engine, step=done, config=cfg, c_base=reference.c_base)
-        if stop:
-            progress.close()
-            logger.close()
-            raise Preempted(f"stopped by {signals.received or 'a signal on another rank'} after step {done} of {cfg.max_steps}: "
-                            f"saved checkpoint {checkpoints.path_for(done).name}; continue with the same command plus --resume auto", step=done)
-    progress.close()
-
-    check_finite_weights(engine, step=cfg.max_steps)
-    final = run_eval(cfg.max_steps)
-    checkpoints.save(engine, step=cfg.max_steps, config=cfg, c_base=reference.c_base)
+    objective = CVAEObjective(cfg, engine=engine, model=model, train=train_enc, reference=reference, recon_cfg=recon_cfg, aux=aux,
+                              probe=probe, logger=logger)
+    final = run_loop(
+        engine=engine, objective=objective, settings=loop_settings(cfg), num_examples=len(train_enc), peak_lrs=peak_lrs,
+        group_names=[g["name"] for g in groups], lr_factor=lambda step: lr_factor_at(cfg, step), start_step=start_step,
+        checkpoints=checkpoints, checkpoint_state={"config": cfg, "c_base": reference.c_base}, evaluate=run_eval,
+        logger=logger, signals=signals, log=say,
+    )
     logger.hparams(cfg, final)
     logger.close()
     say(f"[done] {cfg.run_name}: " + ", ".join(f"{k}={final[k]:.3f}" for k in ("nmi", "mi", "kl", "exact_match") if k in final))
@@ -463,6 +292,67 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
 
         report_verdict(run_dir, final, cfg.to_dict(), step=cfg.max_steps, source="train", log=say)
     return final
+
+
+def loop_settings(cfg: TrainConfig) -> LoopSettings:
+    return LoopSettings(
+        max_steps=cfg.max_steps, micro_batch_size=cfg.micro_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        seed=cfg.seed, log_every=cfg.log_every, eval_every=cfg.eval_every, save_every=cfg.save_every, max_grad_norm=cfg.max_grad_norm,
+        skip_nonfinite_steps=cfg.skip_nonfinite_steps, progress_bar=cfg.progress_bar, run_name=cfg.run_name,
+    )
+
+
+class CVAEObjective:
+    """The CVAE objective of one micro-batch for ``zcvae.train.loop``: the z-free reference NLL, the
+    model's forward, ``per_example_objective`` over the global count, the marginal/router terms (their
+    own all-reduce per global micro-batch) and the gradient probe."""
+
+    def __init__(self, cfg: TrainConfig, *, engine, model, train, reference, recon_cfg, aux, probe, logger):
+        self.cfg, self.engine, self.model, self.train = cfg, engine, model, train
+        self.reference, self.recon_cfg, self.aux, self.probe, self.logger = reference, recon_cfg, aux, probe, logger
+        self.beta, self.probing = 0.0, False
+
+    def begin_step(self, step: int) -> None:
+        self.probing = self.probe is not None and (step + 1) % self.cfg.grad_probe_every == 0
+        self.beta = kl_weight_at(self.cfg, step)
+
+    def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list:
+        return [collate([self.train[i] for i in mb], self.model.tokens, num_z_slots=self.cfg.slot_tokens).to(self.engine.device) for mb in micro]
+
+    def counts(self, batches) -> list[float]:
+        # every kept example has n_i >= 1; tokens per example is the `token` mode's normaliser (core.losses)
+        return [float(sum(len(b) for b in batches)), float(sum(int(b.num_supervised.sum()) for b in batches))]
+
+    def micro_loss(self, batch, *, index: int, num_micro: int, micro: list[int], global_count, global_tokens, window) -> MicroLoss:
+        engine = self.engine
+        mean_num_tokens = global_tokens / global_count.clamp_min(1)
+        ref_nll_BN = self.reference.ref_nll(engine, batch)  # before the training forward (ZeRO-3 ordering)
+        out = engine.module(batch, mode="train")
+        terms = per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=self.reference.c_base.value, recon_config=self.recon_cfg,
+                                      kl_weight=self.beta, aux=self.aux, mean_num_tokens=mean_num_tokens)
+        loss = terms["loss"].sum() / global_count
+        if out.posterior is not None:
+            local_q_K = (out.posterior * terms["valid"][:, None]).sum(0)
+            # this global micro-batch's own count, not the step's: else the marginal sums to 1/accumulation
+            global_qn = engine.all_reduce(torch.cat([local_q_K.detach(), terms["valid"].detach().float().sum()[None]]))
+            marginal, router = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=global_qn[:-1], global_count=global_qn[-1], aux=self.aux)
+            loss = loss + marginal / num_micro
+            for name, value in router.items():
+                window.add_scalar(name, value)
+        if self.probing:
+            self.probe.accumulate(reconstruction=(terms["weighted_reconstruction_loss"] * terms["valid"]).sum() / global_count,
+                                  kl=terms["kl"].sum() / global_count, examples=[self.train[i] for i in micro])
+        return MicroLoss(loss=loss, terms=terms, tokens=float(batch.num_supervised.sum()))
+
+    def end_step(self, done: int) -> None:
+        if self.probing:
+            self.logger.log(PROBE_SPLIT, done, self.probe.result(kl_weight=self.beta, all_reduce=self.engine.all_reduce))
+
+    def window_metrics(self) -> dict[str, float]:
+        return {"kl_weight": self.beta, "c_base": self.reference.c_base.value}
+
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {"loss": f"{metrics.get('loss', float('nan')):.3f}", "kl": f"{metrics.get('kl', float('nan')):.3f}"}
 
 
 def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
@@ -548,9 +438,3 @@ def default_backbone(cfg: TrainConfig, *, log=print) -> str:
     if cfg.train_data is not None:
         raise ValueError("--backbone is required with --train-data (pretrain one with `zcvae pretrain --train-data ...`)")
     return str(builtin_backbone(cfg.task, log=log))
-
-
-def _progress(cfg: TrainConfig, start: int, *, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.max_steps, initial=start, disable=not (enabled and cfg.progress_bar), desc=cfg.run_name, dynamic_ncols=True, leave=False)

@@ -1,0 +1,177 @@
+"""The one training loop: the step driver that ``zcvae train`` and ``zcvae pretrain`` share.
+
+What one optimizer step does, for any objective and any engine:
+
+1. the learning rates of the step (peak x schedule factor);
+2. the global batch of the step (``global_batch_indices``, a pure function of seed and step) and this
+   rank's micro-batches of it (``rank_micro_batches``);
+3. the global counts (examples, supervised tokens), all-reduced *before* any forward, so that every
+   micro-batch contributes ``local_sum / global_count`` and (world 1, accumulation 4) takes the same
+   step as (world 2, accumulation 2);
+4. per micro-batch the objective's loss (the callback), backward with gradient sync on the last;
+5. ``engine.step`` with clipping, the divergence guard and the preemption stop (``train.guards``);
+6. the metric window (exact over ranks) into the RunLogger (metrics.jsonl + TensorBoard), the
+   progress bar, periodic evaluation and periodic checkpoints; at the end the final evaluation and
+   checkpoint.
+
+What differs between the CVAE and the entangled stage is the :class:`Objective`: how a micro-batch
+is built from example indices and what its loss is. The loop never branches on the engine type nor
+on the objective.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from zcvae.data.dataset import global_batch_indices, rank_micro_batches
+from zcvae.loop.logs import MetricWindow, progress_bar
+from zcvae.loop.guards import Preempted, StepGuard, StopSignals, check_finite_weights
+
+
+@dataclass
+class LoopSettings:
+    """The step loop's own settings (every field has the meaning of the TrainConfig field of that name)."""
+
+    max_steps: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    seed: int
+    log_every: int
+    eval_every: int
+    save_every: int
+    max_grad_norm: float | None
+    skip_nonfinite_steps: int = 0
+    progress_bar: bool = True
+    run_name: str = "run"
+
+
+@dataclass
+class MicroLoss:
+    """One micro-batch's contribution: ``loss`` (this rank's sum divided by the global count, so the
+    step's gradient is the global mean), ``terms`` (per-row values ``[B]`` for the metric window and the
+    guard; ``terms["valid"]`` weighs each row in the window means and is > 0 for rows that count) and
+    ``tokens`` (supervised tokens, for tokens/s)."""
+
+    loss: torch.Tensor
+    terms: dict[str, torch.Tensor]
+    tokens: float
+
+
+class Objective(Protocol):
+    """What the loop asks of a training objective (see ``train.trainer.CVAEObjective`` and
+    ``backbone.pretraining.SpanNLLObjective``)."""
+
+    def begin_step(self, step: int) -> None: ...
+
+    def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list[Any]:
+        """This rank's micro-batches on the device; ``micro`` are example indices, ``positions`` their
+        places in the global batch (the same on every world size)."""
+
+    def counts(self, batches: Sequence[Any]) -> list[float]:
+        """[valid examples, supervised tokens] of this rank's micro-batches (summed over ranks by the loop)."""
+
+    def micro_loss(self, batch: Any, *, index: int, num_micro: int, micro: list[int], global_count: torch.Tensor,
+                   global_tokens: torch.Tensor, window) -> MicroLoss: ...
+
+    def end_step(self, done: int) -> None: ...
+
+    def window_metrics(self) -> dict[str, float]: ...
+
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]: ...
+
+
+def run_loop(
+    *,
+    engine,
+    objective: Objective,
+    settings: LoopSettings,
+    num_examples: int,
+    peak_lrs: Sequence[float],
+    group_names: Sequence[str],
+    lr_factor: Callable[[int], float],
+    start_step: int,
+    checkpoints,
+    checkpoint_state: dict,
+    evaluate: Callable[[int], dict[str, float]],
+    logger,
+    signals: StopSignals,
+    log: Callable[[str], None],
+) -> dict[str, float]:
+    """Train from ``start_step`` to ``settings.max_steps``; returns the final evaluation's metrics.
+
+    ``checkpoint_state``: the keyword arguments ``checkpoints.save`` takes besides engine and step
+    (``config``, ``c_base``). ``evaluate(step)`` evaluates and logs. Raises
+    :class:`~zcvae.train.guards.Preempted` after saving when a stop signal arrived, and
+    :class:`~zcvae.train.guards.TrainingDiverged` on a divergence.
+    """
+    s = settings
+    rank, world_size, device = engine.rank, engine.world_size, engine.device
+    global_batch = s.micro_batch_size * s.gradient_accumulation_steps * world_size
+    progress = progress_bar(s, start_step, enabled=rank == 0)
+    guard = StepGuard(skip_budget=s.skip_nonfinite_steps, signals=signals, log=log)
+    window = MetricWindow()
+    window_tokens, window_start = 0.0, time.perf_counter()
+    window_first = start_step  # a resume between two log steps starts a shorter first window
+    for step in range(start_step, s.max_steps):
+        objective.begin_step(step)
+        factor = lr_factor(step)
+        engine.set_learning_rates([lr * factor for lr in peak_lrs])
+        indices = global_batch_indices(num_examples=num_examples, global_batch_size=global_batch, step=step, seed=s.seed)
+        split = dict(micro_batch_size=s.micro_batch_size, accumulation_steps=s.gradient_accumulation_steps, rank=rank, world_size=world_size)
+        micro = rank_micro_batches(indices, **split)
+        positions = rank_micro_batches(list(range(len(indices))), **split)
+        batches = objective.batches(step, micro, positions)
+        # the global counts of valid examples and of supervised tokens, before any forward
+        global_count, global_tokens = engine.all_reduce(torch.tensor(objective.counts(batches), device=device))
+        for m, batch in enumerate(batches):
+            out = objective.micro_loss(batch, index=m, num_micro=len(batches), micro=micro[m], global_count=global_count,
+                                       global_tokens=global_tokens, window=window)
+            engine.backward(out.loss, sync=m == len(batches) - 1)
+            guard.add(out.terms, out.loss)
+            window.add_examples(out.terms, out.terms["valid"])
+            window_tokens += out.tokens
+        grad_norm = engine.step(max_grad_norm=s.max_grad_norm)
+        # every rank gets the same verdict; a divergence past the skip budget raises here
+        verdict = guard.check(engine, step=step + 1, grad_norm=grad_norm, global_count=global_count)
+        window.add_scalar("grad_norm", grad_norm)
+        progress.update(1)
+
+        done = step + 1
+        objective.end_step(done)
+        if done % s.log_every == 0 or done == s.max_steps:
+            metrics = window.reduce()
+            elapsed = time.perf_counter() - window_start
+            tokens = float(engine.all_reduce(torch.tensor(window_tokens, dtype=torch.float64)))
+            metrics.update(objective.window_metrics())
+            metrics["tokens_per_second"] = tokens / max(elapsed, 1e-9)
+            metrics.update({f"learning_rate/{name}": lr * factor for name, lr in zip(group_names, peak_lrs)})
+            if window_first > (done - 1) // s.log_every * s.log_every:
+                # the steps before the checkpoint were averaged by the interrupted run and never logged
+                metrics["window_steps"] = done - window_first
+            window_first = done
+            logger.log("train", done, metrics)
+            progress.set_postfix(**objective.postfix(metrics))
+            window, window_tokens, window_start = MetricWindow(), 0.0, time.perf_counter()
+        if s.eval_every and done % s.eval_every == 0 and done != s.max_steps:
+            evaluate(done)
+            window_start = time.perf_counter()  # keep evaluation out of tokens/s
+        stop = verdict == "stop" and done != s.max_steps  # preempted: save here, then end
+        if (s.save_every and done % s.save_every == 0 and done != s.max_steps) or stop:
+            check_finite_weights(engine, step=done)
+            checkpoints.save(engine, step=done, **checkpoint_state)
+        if stop:
+            progress.close()
+            logger.close()
+            raise Preempted(f"stopped by {signals.received or 'a signal on another rank'} after step {done} of {s.max_steps}: "
+                            f"saved checkpoint {checkpoints.path_for(done).name}; continue with the same command plus --resume auto", step=done)
+    progress.close()
+
+    check_finite_weights(engine, step=s.max_steps)
+    final = evaluate(s.max_steps)
+    checkpoints.save(engine, step=s.max_steps, **checkpoint_state)
+    return final
