@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Iterable
 from typing import Any
+from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY, term_by_abbreviation, with_term_weight_fields
 from zcvae.strict import StrictDataclass, check_keys
 
 
@@ -30,6 +31,10 @@ def _f(default, help: str, **kw):
 
 
 @dataclass
+@with_term_weight_fields(
+    after="reconstruction_loss_sum_scale",
+    make_field=lambda term: _f(term.default_weight, f"Weight of {term.name} ({term.abbreviation}): {term.description}"),
+)
 class TrainConfig(StrictDataclass):
     # ---- data
     task: str | None = _f(None, "Built-in synthetic task family (the default task when neither --task nor --train-data is given).")
@@ -61,12 +66,6 @@ class TrainConfig(StrictDataclass):
     objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tok, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: zcvae.config.DEFAULT_OBJECTIVE (TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tok", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Token aggregation of every reconstruction term: mean (per-example token mean, then an example mean), sum (per-example token sum, then an example mean) or token (the global token mean: every supervised token of the global batch, all ranks and micro-batches, weighs the same).", choices=("mean", "sum", "token"))
     reconstruction_loss_sum_scale: float | None = _f(None, "Sum mode only: divide each example's token sum by this constant C (Dr. GRPO's fixed divisor); c_base is divided by C too, so only raw, tok and ex change. Omitted: 1.")
-    reconstruction_weight: float = _f(1.0, "Weight of reconstruction_loss (raw).")
-    distribution_normalized_reconstruction_weight: float = _f(0.0, "Weight of distribution_normalized_reconstruction_loss.")
-    example_inverse_surprisal_weighted_reconstruction_weight: float = _f(0.0, "Weight of example_inverse_surprisal_weighted_reconstruction_loss.")
-    token_weighted_reconstruction_weight: float = _f(0.0, "Weight of token_weighted_reconstruction_loss.")
-    normalized_concentration_corrected_token_weighted_reconstruction_weight: float = _f(0.0, "Weight of normalized_concentration_corrected_token_weighted_reconstruction_loss.")
-    normalized_inverse_surprisal_token_weighted_reconstruction_weight: float = _f(0.0, "Weight of normalized_inverse_surprisal_token_weighted_reconstruction_loss.")
     token_weight_alpha: float = _f(1.0, "Temperature alpha of the surprisal-share token weights (0 = uniform).")
     example_inverse_surprisal_epsilon: float = _f(1e-2, "Epsilon of the example-level inverse-surprisal ratio, in units of the aggregation mode.")
     inverse_surprisal_token_weight_epsilon: float = _f(1e-2, "Epsilon of the inverse-surprisal token weights (nats).")
@@ -136,12 +135,7 @@ class TrainConfig(StrictDataclass):
         from zcvae.core.losses import ReconstructionLossConfig
 
         return ReconstructionLossConfig(
-            raw_weight=self.reconstruction_weight,
-            distribution_normalized_weight=self.distribution_normalized_reconstruction_weight,
-            example_inverse_surprisal_weight=self.example_inverse_surprisal_weighted_reconstruction_weight,
-            token_weighted_weight=self.token_weighted_reconstruction_weight,
-            normalized_concentration_corrected_token_weighted_weight=self.normalized_concentration_corrected_token_weighted_reconstruction_weight,
-            normalized_inverse_surprisal_token_weighted_weight=self.normalized_inverse_surprisal_token_weighted_reconstruction_weight,
+            **{term.weight_field: getattr(self, term.weight_field) for term in RECONSTRUCTION_TERM_REGISTRY},
             token_weight_alpha=self.token_weight_alpha,
             example_inverse_surprisal_epsilon=self.example_inverse_surprisal_epsilon,
             inverse_surprisal_token_weight_epsilon=self.inverse_surprisal_token_weight_epsilon,
@@ -195,14 +189,8 @@ class TrainConfig(StrictDataclass):
         return self.num_z_slots
 
 
-RECONSTRUCTION_WEIGHT_FIELDS = (
-    "reconstruction_weight",
-    "distribution_normalized_reconstruction_weight",
-    "example_inverse_surprisal_weighted_reconstruction_weight",
-    "token_weighted_reconstruction_weight",
-    "normalized_concentration_corrected_token_weighted_reconstruction_weight",
-    "normalized_inverse_surprisal_token_weighted_reconstruction_weight",
-)
+# One weight field per registered reconstruction term (core/terms.py), in registry order.
+RECONSTRUCTION_WEIGHT_FIELDS = tuple(term.weight_field for term in RECONSTRUCTION_TERM_REGISTRY)
 
 # ---- objective presets -------------------------------------------------------------------------------
 # One preset per arm of seed 001's pilot. Each sets all six reconstruction weights (absent = 0); alpha is
@@ -213,7 +201,10 @@ RECONSTRUCTION_WEIGHT_FIELDS = (
 # matched alpha (seed 001, 004); tokinv kept alpha 1 before, which confounded tokcc against tokinv.
 # The hybrids keep the raw term at weight 1, so the decoder is trained on every token as in plain
 # likelihood training, and add one normalized term that keeps z in use under the KL.
-_W_RAW, _W_DIST, _W_EX, _W_TOK, _W_TOKCC, _W_TOKINV = RECONSTRUCTION_WEIGHT_FIELDS
+# Weight fields looked up by abbreviation, so a term added to the registry leaves the presets as they are.
+_W_RAW, _W_DIST, _W_EX, _W_TOK, _W_TOKCC, _W_TOKINV = (
+    term_by_abbreviation(a).weight_field for a in ("raw", "dist", "ex", "tok", "tokcc", "tokinv")
+)
 OBJECTIVE_PRESETS: dict[str, dict[str, float]] = {
     "raw": {_W_RAW: 1.0},
     "dist": {_W_DIST: 1.0},

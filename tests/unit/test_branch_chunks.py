@@ -21,8 +21,10 @@ from zcvae.templates import EncodedExample, collate
 ATOL = 1e-5
 X_LENGTHS, Y_LENGTHS = (1, 7, 3, 5), (6, 2, 9, 1)
 RECON = ReconstructionLossConfig(
-    raw_weight=1.0, distribution_normalized_weight=0.5, example_inverse_surprisal_weight=0.3, token_weighted_weight=0.7,
-    normalized_concentration_corrected_token_weighted_weight=0.4, normalized_inverse_surprisal_token_weighted_weight=0.2,
+    reconstruction_weight=1.0, distribution_normalized_reconstruction_weight=0.5,
+    example_inverse_surprisal_weighted_reconstruction_weight=0.3, token_weighted_reconstruction_weight=0.7,
+    normalized_concentration_corrected_token_weighted_reconstruction_weight=0.4,
+    normalized_inverse_surprisal_token_weighted_reconstruction_weight=0.2,
     token_weight_alpha=0.5,
 )
 AUX = AuxiliaryWeights(posterior_entropy=0.1, router_support=0.2, router_marginal_kl=0.3, inter_latent_divergence=0.5, posterior_variance=0.1)

@@ -10,7 +10,8 @@ import zcvae
 # From the bottom (README, Layout). Units on one level do not import each other.
 LAYERS = (
     ("strict", "_version"),
-    ("runs", "core", "distributed", "templates"),
+    ("core", "distributed", "templates"),
+    ("runs",),  # run names read the reconstruction-term registry (core/terms.py)
     ("data",),
     ("model", "engines", "reference", "loop"),
     ("backbone",),

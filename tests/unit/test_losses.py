@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY
 from zcvae.core.losses import (
     DIAGNOSTIC_REDUCTIONS,
     RECONSTRUCTION_TERMS,
@@ -419,14 +420,7 @@ def test_gather_span_unshifted_trailing_dims_and_gradient():
 
 
 def _weight_fields():
-    return (
-        "raw_weight",
-        "distribution_normalized_weight",
-        "example_inverse_surprisal_weight",
-        "token_weighted_weight",
-        "normalized_concentration_corrected_token_weighted_weight",
-        "normalized_inverse_surprisal_token_weighted_weight",
-    )
+    return tuple(term.weight_field for term in RECONSTRUCTION_TERM_REGISTRY)
 
 
 def test_weighted_reconstruction_is_the_lambda_sum():
@@ -439,7 +433,7 @@ def test_weighted_reconstruction_is_the_lambda_sum():
     got = reconstruction_terms(token_nll=l_BKN, posterior=q_BK, ref_nll=b_BN, mask=mask_BN, c_base=0.5, config=cfg)
     want = sum(lam * got[name] for name, lam in zip(RECONSTRUCTION_TERMS, lambdas.values()))
     torch.testing.assert_close(weighted_reconstruction(got, cfg), want)
-    assert ReconstructionLossConfig().raw_weight == 1.0 and reconstruction_weights(ReconstructionLossConfig())[
+    assert ReconstructionLossConfig().reconstruction_weight == 1.0 and reconstruction_weights(ReconstructionLossConfig())[
         "token_weighted_reconstruction_loss"
     ] == 0.0
 
@@ -467,7 +461,7 @@ def test_config_from_dict_and_defaults():
         ("zfree_reference_scale", float("inf")),
         *[(f, -1.0) for f in _weight_fields()],
         *[(f, float("nan")) for f in _weight_fields()],
-        ("raw_weight", "1.0"),
+        ("reconstruction_weight", "1.0"),
     ],
 )
 def test_config_validation_names_field(field, value):

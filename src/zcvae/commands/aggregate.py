@@ -27,9 +27,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from zcvae.config import RECONSTRUCTION_WEIGHT_FIELDS, aggregation_label, token_weighting_confounds
+from zcvae.config import aggregation_label, token_weighting_confounds
+from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY
 from zcvae.eval.verdict import judge, read_verdict
-from zcvae.runs.naming import ABBREVIATIONS
 
 __all__ = [
     "DEFAULT_METRICS",
@@ -60,8 +60,8 @@ DEFAULT_METRICS: tuple[str, ...] = (
     "answer_accuracy",
 )
 
-# Config field -> short name in the "recon" column (the run names' abbreviations), in seed order.
-RECONSTRUCTION_WEIGHT_ABBREVIATIONS: dict[str, str] = {field: ABBREVIATIONS[field] for field in RECONSTRUCTION_WEIGHT_FIELDS}
+# Config field -> short name in the "recon" column (the registry's abbreviations), in registry order.
+RECONSTRUCTION_WEIGHT_ABBREVIATIONS: dict[str, str] = {term.weight_field: term.abbreviation for term in RECONSTRUCTION_TERM_REGISTRY}
 
 # Identity columns of a row, in table order, before the seed columns and the metrics.
 # ``kl_schedule`` sits next to beta: a delay-ramp beta is not a constant beta, and kl-weight-scale

@@ -99,6 +99,7 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY, TermParts, with_term_weight_fields
 from zcvae.strict import StrictDataclass
 
 __all__ = [
@@ -123,24 +124,10 @@ __all__ = [
 IGNORE_INDEX = -100
 AGGREGATION_MODES = ("mean", "sum", "token")
 
-RECONSTRUCTION_TERMS = (
-    "reconstruction_loss",
-    "distribution_normalized_reconstruction_loss",
-    "example_inverse_surprisal_weighted_reconstruction_loss",
-    "token_weighted_reconstruction_loss",
-    "normalized_concentration_corrected_token_weighted_reconstruction_loss",
-    "normalized_inverse_surprisal_token_weighted_reconstruction_loss",
-)
-
-# Config field holding the weight lambda_j of each reconstruction term, in RECONSTRUCTION_TERMS order.
-_TERM_WEIGHT_FIELDS = (
-    "raw_weight",
-    "distribution_normalized_weight",
-    "example_inverse_surprisal_weight",
-    "token_weighted_weight",
-    "normalized_concentration_corrected_token_weighted_weight",
-    "normalized_inverse_surprisal_token_weighted_weight",
-)
+# The registry (core/terms.py) owns each term's name, weight field, abbreviation and formula; this tuple
+# is its names, fixed when this module is imported.
+RECONSTRUCTION_TERMS = tuple(term.name for term in RECONSTRUCTION_TERM_REGISTRY)
+_TERM_WEIGHT_FIELDS = tuple(term.weight_field for term in RECONSTRUCTION_TERM_REGISTRY)
 
 DIAGNOSTIC_REDUCTIONS: dict[str, str] = {
     "token_weighted_base_loss": "mean",
@@ -173,21 +160,12 @@ def _is_real_number(value: Any) -> bool:
 
 
 @dataclasses.dataclass
+@with_term_weight_fields(after=None, make_field=lambda term: term.default_weight)
 class ReconstructionLossConfig(StrictDataclass):
-    """Weights and knobs of the reconstruction stack (seed 003 fields plus the aggregation mode)."""
+    """Weights and knobs of the reconstruction stack: one weight lambda_j per registered term (its
+    ``weight_field``, first, in registry order; see core/terms.py), then alpha, the epsilons and the
+    aggregation mode."""
 
-    raw_weight: float = 1.0
-    """lambda of ``reconstruction_loss``."""
-    distribution_normalized_weight: float = 0.0
-    """lambda of ``distribution_normalized_reconstruction_loss``."""
-    example_inverse_surprisal_weight: float = 0.0
-    """lambda of ``example_inverse_surprisal_weighted_reconstruction_loss``."""
-    token_weighted_weight: float = 0.0
-    """lambda of ``token_weighted_reconstruction_loss``."""
-    normalized_concentration_corrected_token_weighted_weight: float = 0.0
-    """lambda of ``normalized_concentration_corrected_token_weighted_reconstruction_loss``."""
-    normalized_inverse_surprisal_token_weighted_weight: float = 0.0
-    """lambda of ``normalized_inverse_surprisal_token_weighted_reconstruction_loss``."""
     token_weight_alpha: float = 1.0
     """Temperature alpha >= 0 of pi and rho; 0 gives uniform token weights."""
     example_inverse_surprisal_epsilon: float = 1e-2
@@ -686,15 +664,9 @@ def reconstruction_terms(
     tok_B = (q_BK * tok_BK).sum(dim=-1)
     inv_B = (q_BK * inv_BK).sum(dim=-1)
 
-    terms = {
-        "reconstruction_loss": raw_B,
-        "distribution_normalized_reconstruction_loss": raw_B / c,
-        "example_inverse_surprisal_weighted_reconstruction_loss": raw_B
-        / (base_B + config.example_inverse_surprisal_epsilon),
-        "token_weighted_reconstruction_loss": tok_B,
-        "normalized_concentration_corrected_token_weighted_reconstruction_loss": tok_B / kappa_B / c,
-        "normalized_inverse_surprisal_token_weighted_reconstruction_loss": inv_B / eta_B / c,
-    }
+    parts = TermParts(raw_B=raw_B, token_B=tok_B, inverse_B=inv_B, base_B=base_B, kappa_B=kappa_B, eta_B=eta_B,
+                      c_base=c, config=config)
+    terms = {term.name: term.function(parts) for term in RECONSTRUCTION_TERM_REGISTRY}
     # where (not multiply) so a stray nan/inf in a posterior row of an empty example cannot leak out.
     terms = {name: torch.where(valid_B, value, zero) for name, value in terms.items()}
 

@@ -49,6 +49,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY
+
 __all__ = [
     "ABBREVIATIONS",
     "AGGREGATION_MODE_FIELD",
@@ -71,12 +73,8 @@ ABBREVIATIONS: dict[str, str] = {
     "task": "task",
     "latent_type": "lat",
     "num_latents": "K",
-    "reconstruction_weight": "raw",
-    "distribution_normalized_reconstruction_weight": "dist",
-    "example_inverse_surprisal_weighted_reconstruction_weight": "ex",
-    "token_weighted_reconstruction_weight": "tok",
-    "normalized_concentration_corrected_token_weighted_reconstruction_weight": "tokcc",
-    "normalized_inverse_surprisal_token_weighted_reconstruction_weight": "tokinv",
+    # one key per registered reconstruction term (core/terms.py: its weight field and abbreviation)
+    **{term.weight_field: term.abbreviation for term in RECONSTRUCTION_TERM_REGISTRY},
     "token_weight_alpha": "alpha",
     "example_inverse_surprisal_epsilon": "exeps",
     "inverse_surprisal_token_weight_epsilon": "tokinveps",
