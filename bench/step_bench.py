@@ -10,7 +10,7 @@
 
 Every case is one full optimizer step (forward, backward, AdamW, clipping) through a real engine:
 (a) ``lora``: plain peft LoRA SFT on the z-free template, mean token NLL; (b) the discrete CVAE step
-of the trainer (reference, train forward, ``per_example_objective``, marginal router terms) at
+of the trainer (``train.trainer.CVAEObjective.micro_loss``, the trainer's own step objective) at
 K in {1, 2, 4, 8}, with the x prefix shared or not and the reference online or from the precomputed
 store, and with chunked branches; (c) the Gaussian step; (d) the no-grad reference forward alone.
 
@@ -62,8 +62,12 @@ from zcvae.distributed import flush_denormals  # noqa: E402
 from zcvae.engines import EngineConfig, build_engine  # noqa: E402
 from zcvae.core.losses import token_nll  # noqa: E402
 from zcvae.model.cvae import ZCVAE, ModelConfig, default_lora_targets  # noqa: E402
-from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective  # noqa: E402
+from zcvae.core.objective import AuxiliaryWeights  # noqa: E402
+from zcvae.loop import MetricWindow  # noqa: E402
+from zcvae.reference.c_base import CBase  # noqa: E402
+from zcvae.reference.provider import ReferenceProvider  # noqa: E402
 from zcvae.reference.store import ReferenceStore  # noqa: E402
+from zcvae.train.trainer import CVAEObjective  # noqa: E402
 from zcvae.templates import EncodedExample, collate  # noqa: E402
 
 MiB = 2**20
@@ -212,7 +216,8 @@ class Bench:
 
     def __init__(self, backbone_dir: str, *, args, device: torch.device, engine_cfg: EngineConfig, dtype: str):
         self.dir, self.args, self.device, self.engine_cfg, self.dtype = backbone_dir, args, device, engine_cfg, dtype
-        self.train_cfg = TrainConfig()
+        # beta 1 from the first step, as the cost of a step past the KL delay
+        self.train_cfg = TrainConfig(kl_schedule="constant")
         self.recon_cfg = self.train_cfg.reconstruction_config()
         self.aux = AuxiliaryWeights.from_train_config(self.train_cfg)
         self.models: dict[tuple, tuple[ZCVAE, object]] = {}
@@ -304,24 +309,24 @@ class Bench:
         batch = self.batch(model, y_len)
         store, c_base = self.store(model, engine, batch)
 
+        # the trainer's own objective of one micro-batch (reference, train forward, per_example_objective
+        # over the global count, marginal router terms), so the bench times the step that trains
+        reference = ReferenceProvider(policy="online" if online else "precomputed", fingerprints={},
+                                      store=None if online else store,
+                                      c_base=CBase(value=c_base, mode=self.recon_cfg.token_aggregation_mode, fingerprint="bench", source="user"))
+        objective = CVAEObjective(self.train_cfg, engine=engine, model=model, train=[], reference=reference,
+                                  recon_cfg=self.recon_cfg, aux=self.aux, probe=None, logger=None)
+        objective.begin_step(0)  # beta = kl_weight (constant schedule)
+        count = torch.tensor(float(len(batch)), device=batch.input_ids.device)
+        tokens = batch.num_supervised.sum().to(device=count.device, dtype=count.dtype)
+
         def step() -> None:
             # cases share a model: set the switches every time
             model.config.share_x_prefix = share
             model.config.branch_chunk_size = chunk
-            if online:
-                with torch.no_grad():
-                    ref_nll_BN = engine.module(batch, mode="reference")[0]
-            else:
-                ref_nll_BN = store.lookup(batch.ids, device=batch.input_ids.device)[0]
-            out = engine.module(batch, mode="train")
-            terms = per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=c_base, recon_config=self.recon_cfg, kl_weight=1.0, aux=self.aux)
-            count = torch.tensor(float(len(batch)), device=batch.input_ids.device)
-            loss = terms["loss"].sum() / count
-            if out.posterior is not None:
-                local_q_K = out.posterior.sum(0)
-                marginal, _ = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=local_q_K.detach(), global_count=count, aux=self.aux)
-                loss = loss + marginal
-            engine.backward(loss, sync=True)
+            micro = objective.micro_loss(batch, index=0, num_micro=1, micro=list(batch.ids), global_count=count,
+                                         global_tokens=tokens, window=MetricWindow())
+            engine.backward(micro.loss, sync=True)
             engine.step(max_grad_norm=1.0)
 
         return step

@@ -76,6 +76,7 @@ V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -846,10 +847,10 @@ def evaluate_run(
     if not record_path.is_file():
         raise ValueError(f"run_dir: {str(run_dir)!r} has no {RUN_CONFIG} (not a run directory)")
     record = read_run_record(run_dir)
-    cfg = TrainConfig.from_dict(dict(record["config"]), source=str(record_path))
-    # One process, no optimizer: whatever engine the run used, evaluation needs only its forward.
-    cfg.engine, cfg.deepspeed_config, cfg.cpu_offload, cfg.precision = "local", None, False, "fp32"
-    cfg.reference_policy = "online"  # a store would also compute b of every training example
+    # One process, no optimizer: whatever engine the run used, evaluation needs only its forward; and the
+    # online reference, as a store would also compute b of every training example.
+    cfg = dataclasses.replace(TrainConfig.from_dict(dict(record["config"]), source=str(record_path)),
+                              engine="local", deepspeed_config=None, cpu_offload=False, precision="fp32", reference_policy="online")
 
     ckpt = newest_checkpoint(run_dir, checkpoint)
     step = int(read_meta(ckpt).get("step", cfg.max_steps))

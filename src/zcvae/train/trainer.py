@@ -13,6 +13,7 @@ step. The trainer never branches on the engine type.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -181,8 +182,8 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
             threads_from = "free cores (/proc/stat)"
     cpu = {"flush_denormals": flushes, "num_threads": torch.get_num_threads(), "num_threads_from": threads_from}
     seed_everything(cfg.seed)
-    if cfg.run_name is None:
-        cfg.run_name = train_run_name(cfg.to_dict())
+    if cfg.run_name is None:  # a copy: the caller's config stays as given
+        cfg = dataclasses.replace(cfg, run_name=train_run_name(cfg.to_dict()))
     run_dir = Path(cfg.output_dir)
     say = log if is_main else (lambda *a, **k: None)
     prepare_run_dir(run_dir, resume=cfg.resume is not None, overwrite=overwrite, is_main=is_main, log=say,
@@ -216,7 +217,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     if cfg.kl_weight_scale == "tokens" and cfg.kl_weight_factor is None:
         # the explicit beta control of sum aggregation: sum scales reconstruction by ~mean n_i, so
         # beta x mean n_i keeps the KL's share of J where mean aggregation has it (seed 001)
-        cfg.kl_weight_factor = float(np.mean([ex.num_supervised for ex in val_enc]))
+        cfg = dataclasses.replace(cfg, kl_weight_factor=float(np.mean([ex.num_supervised for ex in val_enc])))
         say(f"[kl] kl-weight-scale tokens: beta {cfg.kl_weight:g} x validation mean n_i {cfg.kl_weight_factor:.4g} = {cfg.effective_kl_weight:.4g}")
     model.calibrate(collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots))
 
