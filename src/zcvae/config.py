@@ -6,7 +6,7 @@ sweep helper and the aggregate tables working on one plain dict; the typed sub-c
 needs (:class:`~zcvae.core.losses.ReconstructionLossConfig`, :class:`~zcvae.model.cvae.ModelConfig`,
 :class:`~zcvae.engines.EngineConfig`) are built from it in one place.
 
-Defaults start from what a CPU prototype of this CVAE measured (shared/notes/cvae-training-findings.md):
+Defaults start from what a CPU prototype of this CVAE measured (docs/objective.md, "The KL and its schedules"):
 LoRA lr 1e-3, z rows and routers 1e-2, no weight decay, clipping at 1.0, and a KL weight held at 0 for
 the first 30% of steps then ramped over 20% (a constant beta from step 0 collapsed every objective).
 """
@@ -62,7 +62,7 @@ class TrainConfig(StrictDataclass):
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass.")
     posterior_pooling: str = _f("last", "What q(z|x,y) reads: last (the final state at </y>) or mean (the mean final state over <y> y </y>; for strategies that part mid-y and end alike).", choices=("last", "mean"))
     share_x_prefix: bool = _f(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact, also under gradient checkpointing; falls back with a reason where unsupported).")
-    # ---- reconstruction (seed 003, 001)
+    # ---- reconstruction (docs/objective.md: the terms and the aggregation modes)
     objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tok, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: zcvae.config.DEFAULT_OBJECTIVE (TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tok", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Token aggregation of every reconstruction term: mean (per-example token mean, then an example mean), sum (per-example token sum, then an example mean) or token (the global token mean: every supervised token of the global batch, all ranks and micro-batches, weighs the same).", choices=("mean", "sum", "token"))
     reconstruction_loss_sum_scale: float | None = _f(None, "Sum mode only: divide each example's token sum by this constant C (Dr. GRPO's fixed divisor); c_base is divided by C too, so only raw, tok and ex change. Omitted: 1.")
@@ -72,9 +72,9 @@ class TrainConfig(StrictDataclass):
     zfree_reference_scale: float | None = _f(None, "Fixed c_base; when omitted it is the validation mean of A_mode(b_i) in the selected mode.")
     reference_policy: str = _f("auto", "z-free reference: online (a forward per batch), precomputed (a store), auto (precomputed when data is seen more than once).", choices=("auto", "online", "precomputed"))
     reference_cache_dir: str | None = _f(None, "Directory of precomputed reference stores (default ~/.cache/zcvae/reference).")
-    # ---- KL and auxiliaries (seed 001 names)
+    # ---- KL and auxiliaries (docs/objective.md: the KL and its schedules, auxiliaries)
     kl_weight: float = _f(1.0, "beta, the final weight of KL(q || p).")
-    kl_weight_scale: str = _f("none", "none, or tokens: beta is multiplied by the validation mean of n_i (supervised tokens per example), the explicit beta control for sum aggregation (seed 001).", choices=("none", "tokens"))
+    kl_weight_scale: str = _f("none", "none, or tokens: beta is multiplied by the validation mean of n_i (supervised tokens per example), the explicit beta control for sum aggregation (docs/objective.md).", choices=("none", "tokens"))
     kl_weight_factor: float | None = _f(None, "The multiplier of beta that kl-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
     kl_schedule: str = _f("delay-ramp", "constant, delay-ramp (0 for kl-delay-fraction, then linear over kl-ramp-fraction) or cyclical.", choices=("constant", "delay-ramp", "cyclical"))
     kl_delay_fraction: float = _f(0.3, "Fraction of steps (per cycle) with beta = 0.")
@@ -106,7 +106,7 @@ class TrainConfig(StrictDataclass):
     run_name: str | None = _f(None, "Run name (derived from the parameters that differ from the defaults when omitted).")
     log_every: int = _f(10, "Log train metrics every N steps.")
     eval_every: int = _f(0, "Evaluate every N steps (0: only at the end).")
-    grad_probe_every: int = _f(0, "Every N steps, log the norms of the reconstruction and the KL gradient on the router's posterior head and on the LoRA weights, separately, their ratio and t0/T (seed 002; zcvae.train.grad_probe; records of split grad_probe in metrics.jsonl). 0: off. Changes no training number. Cost on a probed step: two extra backward passes per micro-batch (the reconstruction one about as long as the step's own backward, the KL one through the router pass only) and one all-reduce of those gradients. Needs --engine local.")
+    grad_probe_every: int = _f(0, "Every N steps, log the norms of the reconstruction and the KL gradient on the router's posterior head and on the LoRA weights, separately, their ratio and t0/T (the dilution argument, docs/objective.md#dilution; zcvae.train.grad_probe; records of split grad_probe in metrics.jsonl). 0: off. Changes no training number. Cost on a probed step: two extra backward passes per micro-batch (the reconstruction one about as long as the step's own backward, the KL one through the router pass only) and one all-reduce of those gradients. Needs --engine local.")
     num_eval_decode_examples: int = _f(64, "Validation x decoded with each latent for controllability.")
     max_new_tokens: int | None = _f(None, "Greedy decoding length (the longest validation y + 2 when omitted).")
     progress_bar: bool = _f(True, "Show a progress bar on rank 0.")
@@ -193,12 +193,12 @@ class TrainConfig(StrictDataclass):
 RECONSTRUCTION_WEIGHT_FIELDS = tuple(term.weight_field for term in RECONSTRUCTION_TERM_REGISTRY)
 
 # ---- objective presets -------------------------------------------------------------------------------
-# One preset per arm of seed 001's pilot. Each sets all six reconstruction weights (absent = 0); alpha is
+# One preset per arm of the aggregation pilot (raw, dist, tokcc and the hybrids, in mean and sum). Each sets all six reconstruction weights (absent = 0); alpha is
 # set only where the preset uses the surprisal-share token weights, else the config's alpha stays.
 # tokcc uses alpha 0.5: at alpha 1 nearly all of an example's weight sits on the one strategy-revealing
-# token, and the decoder's other tokens drift (README table: NMI 1 but exact match 0). tok (seed 002's raw
+# token, and the decoder's other tokens drift (README table: NMI 1 but exact match 0). tok (the raw surprisal-share
 # token-weighted term) and tokinv use the same alpha, so that the token-weighted presets compare at
-# matched alpha (seed 001, 004); tokinv kept alpha 1 before, which confounded tokcc against tokinv.
+# matched alpha (the comparison is meant at the same mode, alpha and c_base); tokinv kept alpha 1 before, which confounded tokcc against tokinv.
 # The hybrids keep the raw term at weight 1, so the decoder is trained on every token as in plain
 # likelihood training, and add one normalized term that keeps z in use under the KL.
 # Weight fields looked up by abbreviation, so a term added to the registry leaves the presets as they are.
@@ -263,7 +263,7 @@ def matching_objective(config: dict[str, Any]) -> str:
     return CUSTOM_OBJECTIVE
 
 
-# The token-weighted terms (seed 002, 004): the terms whose value depends on token_weight_alpha.
+# The token-weighted terms (docs/objective.md, "Token weights"): the terms whose value depends on token_weight_alpha.
 TOKEN_WEIGHTED_FIELDS = (_W_TOK, _W_TOKCC, _W_TOKINV)
 
 
@@ -277,7 +277,7 @@ def aggregation_label(config: dict[str, Any]) -> str:
 def token_weighting_confounds(configs: Iterable[dict[str, Any]]) -> list[str]:
     """One warning per aggregation mode whose token-weighted arms differ in preset and also in alpha.
 
-    Seed 001/003 compare token-weighted presets (tok, tokcc, tokinv, raw+tokcc) at the same mode, alpha and
+    The pilot compares token-weighted presets (tok, tokcc, tokinv, raw+tokcc) at the same mode, alpha and
     c_base; when the presets at one mode are not all run at the same set of alphas, some pair of arms differs
     in both, and a difference between them may be alpha's. ``configs`` are a family's run params (resolved
     here as ``zcvae train`` resolves them: preset weights and alpha, DEFAULT_OBJECTIVE when none is named)

@@ -1,4 +1,4 @@
-"""The posterior-gradient figure (seed 002): the probe's reconstruction-to-KL gradient ratio over steps, run
+"""The posterior-gradient figure (docs/objective.md#dilution): the probe's reconstruction-to-KL gradient ratio over steps, run
 against run (e.g. raw mean, which collapses, against dist, which keeps z).
 
     python -m zcvae.commands.grad_probe_figure runs/raw-mean runs/dist-mean --out grad_probe.png

@@ -1,5 +1,7 @@
 """Reconstruction-loss core: token NLL, span alignment, aggregation, token weights, the six terms.
 
+The mathematics, in the project's notation: docs/objective.md.
+
 Pure tensor math (no ``torch.distributed``, no config parsing beyond the dataclass below). Every
 function returns per-example values; the trainer owns batch and cross-rank reduction.
 
@@ -11,7 +13,7 @@ Shape legend
     N  left-aligned supervised y-span positions (max span length in the batch, or ``n_span``)
 
 Units: NLL in nats per token. ``A_mean`` gives nats per supervised token, ``A_sum`` nats per
-sequence (see seed 001), ``A_token`` nats per supervised token of the global batch; every "mode
+sequence (docs/objective.md#aggregation), ``A_token`` nats per supervised token of the global batch; every "mode
 units" below means whichever one is selected.
 
 Pipeline
@@ -25,7 +27,7 @@ Pipeline
        config=cfg)`` -> dict of per-example [B] tensors.
     4. ``weighted_reconstruction(terms, cfg) -> [B]``: the reconstruction part of the objective.
 
-Aggregation (seed 001, 000), over the supervised tokens S_i of example i, n_i = |S_i|:
+Aggregation (docs/objective.md#aggregation), over the supervised tokens S_i of example i, n_i = |S_i|:
     A_mean(v_i) = (1/n_i) sum_t v_it          A_sum(v_i) = sum_t v_it / C
     W_mean(v_i; w_i) = sum_t w_it v_it        W_sum(v_i; w_i) = n_i sum_t w_it v_it / C
     A_token(v_i) = sum_t v_it / n_bar         W_token(v_i; w_i) = n_i sum_t w_it v_it / n_bar
@@ -35,9 +37,9 @@ with token weights w_i summing to 1 over S_i; so alpha = 0 recovers A in every m
            (all ranks, all accumulation micro-batches): ``mean_num_tokens``, which the caller computes
            (the trainer all-reduces the supervised-token count before the forwards).
 The batch reduction is an example mean in every mode, so under ``token`` it gives the global token
-mean of seed 000, (1/|G|) sum_i A_token(v_i) = sum_i sum_t v_it / sum_i n_i: each supervised token
+mean, (1/|G|) sum_i A_token(v_i) = sum_i sum_t v_it / sum_i n_i: each supervised token
 of the global batch weighs the same. ``token`` is the sum mode divided by n_bar, a constant within
-one step, so the token-weighted terms keep seed 001's n_i rule: an example's token weights only
+one step, so the token-weighted terms keep the n_i rule of W: an example's token weights only
 redistribute its n_i tokens' share of the global batch, and alpha = 0 gives A_token.
 
 Token weights, from the frozen z-free reference NLL b (clamped at 0, detached):
@@ -49,7 +51,7 @@ An example whose b is 0 on every supervised token is *degenerate*: pi is uniform
 Scale factors (identical in every mode, since the n_i, C and n_bar factors cancel):
     kappa_i = W(b_i; pi_i) / A(b_i)      eta_i = W(b_i; rho_i) / A(b_i)      (1 where A(b_i) = 0)
 
-Reconstruction terms (``RECONSTRUCTION_TERMS``, seed-003 order), q_ik posterior weights, l_ik the
+Reconstruction terms (``RECONSTRUCTION_TERMS``, the registry's order: core/terms.py), q_ik posterior weights, l_ik the
 z-conditioned token NLL of branch k, c_base the mode-matched z-free reference scale, i.e. the
 validation value of E_i[A(b_i)] (``token``: sum_i sum_t b_it / sum_i n_i over the validation set; the
 ``sum`` c_base is given per sequence and divided by C here, so the normalised terms do not depend on C):
@@ -142,8 +144,8 @@ DIAGNOSTIC_REDUCTIONS: dict[str, str] = {
     "inverse_token_weighting/effective_token_count_mean": "mean",
     # The minimum shows how close example_inverse_surprisal_epsilon is to the smallest denominator.
     "base_loss": "min",
-    # Seed 001 asks for mean/min/max of the supervised length; one key per reduction keeps this a
-    # plain str -> str table.
+    # The length effects of sum and token are read from mean/min/max of the supervised length; one key
+    # per reduction keeps this a plain str -> str table.
     "num_tokens": "mean",
     "num_tokens_min": "min",
     "num_tokens_max": "max",
@@ -171,7 +173,7 @@ class ReconstructionLossConfig(StrictDataclass):
     example_inverse_surprisal_epsilon: float = 1e-2
     """Added to A(b_i) in the example-level inverse-surprisal term. Same units as A(b_i) in the
     selected mode (nats/token under mean, nats/sequence under sum); the value is reused unchanged
-    under sum, as seed 001 suggests, and ``base_loss`` (min) shows how it compares."""
+    under sum, and ``base_loss`` (min) shows how it compares."""
     inverse_surprisal_token_weight_epsilon: float = 1e-2
     """Added to b_t before the inverse power in rho, in nats/token: bounds the weight of a
     zero-surprisal token at (1e-2)^(-alpha) relative to a token of surprisal ~1 nat."""

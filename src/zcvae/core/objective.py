@@ -22,7 +22,7 @@ from zcvae.core.losses import reconstruction_terms, weighted_reconstruction
 
 @dataclass(frozen=True)
 class AuxiliaryWeights:
-    """Weights of the auxiliary terms (seed 001 names); the sign convention is in each docstring."""
+    """Weights of the auxiliary terms (docs/objective.md#auxiliaries); the sign convention is in each comment."""
 
     posterior_entropy: float = 0.0  # + w * H(q): positive sharpens the posterior
     router_support: float = 0.0  # - w * H(mean q) = - w log support: positive spreads latent usage
@@ -46,11 +46,11 @@ def per_example_objective(
 ) -> dict[str, torch.Tensor]:
     """Every per-example term and diagnostic, plus ``loss`` (the per-example part of J), each ``[B]``.
 
-    All six reconstruction terms and every diagnostic are returned whatever their weights (seed 003).
+    All six reconstruction terms and every diagnostic are returned whatever their weights (docs/objective.md).
     ``mean_num_tokens``: n_bar, the supervised tokens per valid example of the global batch (the
     ``token`` aggregation mode's normaliser, see ``core.losses``; ignored by the other modes). With it,
     ``local_sum / global_count`` of ``loss`` holds the reconstruction part as a global token mean and
-    the KL and auxiliaries as example means (seed 001: the mode touches reconstruction terms only).
+    the KL and auxiliaries as example means (the mode touches reconstruction terms only: docs/objective.md#aggregation).
     """
     terms = reconstruction_terms(
         token_nll=out.token_nll,

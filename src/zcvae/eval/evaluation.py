@@ -50,7 +50,7 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
   ambiguous (x, y) is caught even when it occurs once (as in ``mul`` with b = 1); for user data only
   repeated (x, y) pairs reveal ambiguity.
   ``nmi_ratio`` = ``nmi`` / ``nmi_reachable`` (1.0 when ``nmi_reachable`` is 0: nothing to reach).
-* Stratified (``stratified_metrics``; seed 001's confound "does sum only upweight long examples?"):
+* Stratified (``stratified_metrics``; the aggregation pilot's confound "does sum only upweight long examples?"):
   ``by_strategy/<strategy>/...`` per gold strategy and ``by_length/t1|t2|t3/...`` per tercile of
   the supervised length n_i (t1 shortest, ties kept together), each with ``num_examples``, the six
   reconstruction terms (``by_strategy/forward/reconstruction_loss``, ...), ``nmi`` (by strategy:
@@ -58,7 +58,7 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
   the tercile), ``latent_usage/<k>``, ``num_used_latents`` and ``mi`` (discrete) or
   ``active_units`` (Gaussian), and ``min_length``/``max_length`` for the terciles; kappa
   (``token_concentration_factor``) per stratum too. Decoding by stratum
-  (``stratified_decoding_metrics``; seed 001's confound "length correlates with parse and answer
+  (``stratified_decoding_metrics``; the aggregation pilot's confound "length correlates with parse and answer
   correctness"): ``P/exact_match``, ``P/answer_accuracy``, ``P/control/parse_rate`` and
   ``P/decode/num_examples`` over the decoded examples of each stratum P, the same strata.
 

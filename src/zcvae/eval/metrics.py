@@ -1,7 +1,7 @@
 """Pure evaluation metrics: is the latent z used, and does it line up with the solution strategy?
 
 Everything here is plain numpy over arrays that the caller has already gathered from every rank
-(MI over a per-batch mean is a different, biased quantity; see notes/latent-models.md). Inputs may be
+(MI over a per-batch mean is a different, biased quantity: the marginal of q over a small batch is noisy). Inputs may be
 numpy arrays or torch tensors; outputs are python floats, numpy arrays and dicts. No
 ``torch.distributed``, no config parsing. All logarithms are natural: entropies, MI and KL are in nats.
 

@@ -61,7 +61,7 @@ __all__ = [
 MIN_MI_FRACTION = 0.1
 # Decoding that changes with z on fewer x than this means the decoder ignores z, whatever q says.
 MIN_DISTINCT_OUTPUTS = 0.05
-# Gold collapse: NMI below this tells next to nothing about the strategy (issue 20's definition).
+# Gold collapse: NMI below this tells next to nothing about the strategy (the verdict's definition; README, "The verdict").
 GOLD_COLLAPSED_NMI = 0.1
 # Aligned with gold at nmi / nmi_reachable >= this: the target the README's tables are held to.
 ALIGNED_NMI_RATIO = 0.9
@@ -69,7 +69,7 @@ ALIGNED_NMI_RATIO = 0.9
 MERGE_MIN_SHARE = 0.5
 # A strategy is split over the latents it is the majority of holding this share of it; less is soft-posterior leak.
 SPLIT_MIN_SHARE = 0.1
-# Spare latents are fine while every latent in use holds one strategy: issue 20's homogeneity bar at K = 2 x strategies.
+# Spare latents are fine while every latent in use holds one strategy: the verdict's homogeneity bar at K = 2 x strategies.
 PURE_HOMOGENEITY = 0.95
 # A latent is in use above this share of all q mass: the threshold of num_used_latents (eval.metrics).
 USED_SHARE = 0.01

@@ -30,7 +30,6 @@ from zcvae.runs.rundir import read_json
 
 EXPORT_META = "zcvae_export.json"
 LATENT_HEADS = "latent_heads.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGED = "merged"
 EXPORT_FORMAT = 1

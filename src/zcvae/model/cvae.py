@@ -113,7 +113,7 @@ class ModelConfig(StrictDataclass):
     """D, the Gaussian z dimension."""
     num_z_slots: int = 1
     """M tokens in the z section: discrete, each latent value owns M learned rows (a multi-token
-    z-prefix, seed 002's remedy for dilution); Gaussian, M soft-prompt embeddings."""
+    z-prefix, a remedy for dilution: docs/objective.md#dilution); Gaussian, M soft-prompt embeddings."""
     num_latent_samples: int = 1
     """S reparameterised samples per example (Gaussian)."""
     learned_prior: bool = True
@@ -951,7 +951,7 @@ class ZCVAE(nn.Module):
         Why not chunk by default under activation checkpointing: layer checkpointing already keeps a
         layer's activations only, so one chunk's memory grew little with K on SmolLM2-135M (K=4 2540,
         K=8 2607 MiB), while B-row chunks switch layer checkpointing off inside each chunk and cost more
-        time and memory (K=4: 4.01x vs 3.15x the LoRA step, 2690 MiB; BENCHMARKS.md, issue 11)."""
+        time and memory (K=4: 4.01x vs 3.15x the LoRA step, 2690 MiB; BENCHMARKS.md, the SmolLM2 chunk table)."""
         del num_examples  # the chunk size does not depend on the batch; kept for callers' clarity
         return self.config.branch_chunk_size
 

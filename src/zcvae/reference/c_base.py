@@ -1,4 +1,4 @@
-"""c_base per aggregation mode (seed 001, 004): the validation mean of A_mode(b_i), reduced as a
+"""c_base per aggregation mode (docs/objective.md#c_base): the validation mean of A_mode(b_i), reduced as a
 (sum, count) pair across ranks and recorded with its mode, fingerprint and source. Units: nats per
 token (mean), nats per sequence (sum) or nats per token of the whole validation set (token).
 
@@ -7,7 +7,7 @@ One c_base per mode:
     sum    (1/|V|) sum_i sum_t b_it                pair (sum_i A_sum(b_i),  |V|)
     token  sum_i sum_t b_it / sum_i n_i            pair (sum_i A_sum(b_i),  sum_i n_i)
 The token value is E_i[A_token(b_i)] with n_bar the validation set's mean length, the global token
-mean of seed 000. A fixed sum scale C (``sum_scale``) does not get a c_base of its own: the loss
+mean of the ``token`` mode. A fixed sum scale C (``sum_scale``) does not get a c_base of its own: the loss
 divides the per-sequence sum c_base by C, so the normalised terms are exactly those of plain sum.
 """
 
@@ -52,7 +52,7 @@ class CBase(StrictDataclass):
     """Mean over the validation set of A_mode(b_i) (nats/token under mean and token, nats/sequence
     under sum), or the user's ``zfree_reference_scale``."""
     mode: str
-    """Token aggregation mode the value belongs to: ``mean``, ``sum`` or ``token`` (seed 001: never mixed)."""
+    """Token aggregation mode the value belongs to: ``mean``, ``sum`` or ``token`` (never mixed: docs/objective.md#c_base)."""
     fingerprint: str
     """Digest of the validation reference (backbone, template, vocabulary, data) it was computed on;
     for a user value, the run's digest at the time (recorded, not checked)."""
@@ -125,7 +125,7 @@ def resolve_c_base(
     1. ``user_value`` (the config's ``zfree_reference_scale``) wins and is recorded with source "user".
     2. ``stored`` (e.g. from a checkpoint) is reused only if its mode and fingerprint are the run's.
     3. Otherwise ``recompute()`` (which must return this mode and fingerprint); with ``recompute`` None,
-       ValueError naming the stored and the wanted mode/fingerprint (seed 001: a mean-scale c_base is
+       ValueError naming the stored and the wanted mode/fingerprint (docs/objective.md#c_base: a mean-scale c_base is
        never silently the denominator of a sum-scale objective).
     """
     _check_mode(mode)

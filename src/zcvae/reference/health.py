@@ -1,11 +1,11 @@
 """Is the backbone fit to be the frozen reference? The start-up check of ``zcvae train``.
 
-The reference that gives b_t is the z-free backbone itself (seed 002: "a frozen reference model
-initialized from the entangled checkpoint"), so it must already know the template and the data:
+The reference that gives b_t is the z-free backbone itself (a frozen reference
+initialized from the entangled checkpoint; README, "Real backbones"), so it must already know the template and the data:
 
 * **Markers.** A backbone whose tokenizer lacks a template marker (``<x> </x> <z> </z> <y> </y>``) or
   ``<znull>`` gets it as a new token with a mean row (``ZCVAE._init_new_rows``): the reference cannot
-  score the template, and a frozen ``</y>`` row leaves the decoder unable to close y (issue 19: a raw
+  score the template, and a frozen ``</y>`` row leaves the decoder unable to close y (a raw
   SmolLM2 wrote the right digits, then repeated them, on all 16 decodes). :func:`check_markers` stops
   the run with the ``zcvae pretrain --backbone`` command that builds the entangled checkpoint (the CLI
   maps the ValueError to exit 2), unless ``allow_fresh_markers`` is set; then those rows train as
@@ -18,7 +18,7 @@ initialized from the entangled checkpoint"), so it must already know the templat
 
   - a built-in task: the floor H(y|x) (``TaskFamily.y_entropy``, the best z-free y NLL, as
     ``zcvae pretrain`` reports it) plus :data:`FLOOR_MARGIN_PER_SEQUENCE` nats, the margin within
-    which issue 19 counts an entangled checkpoint as fit;
+    which the real-backbone check counts an entangled checkpoint as fit;
   - user data: :data:`HIGH_C_BASE_PER_TOKEN` nats per supervised token. A reference that knows the
     format predicts its deterministic tokens (``</y>``, the format words) almost exactly; the raw
     SmolLM2 gave 3.41 nats/token on ``copy``, the entangled tiny backbone 0.066 (floor ~0.06).

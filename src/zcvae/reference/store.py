@@ -2,7 +2,7 @@
 zcvae.reference.c_base; what the trainer holds: zcvae.reference.provider).
 
 The reference is the frozen backbone (adapters disabled) reading the z-free template
-``<bos> <x> {x} </x> <y> {y} </y> <eos>`` under teacher forcing (seed 002, frozen policy). Its
+``<bos> <x> {x} </x> <y> {y} </y> <eos>`` under teacher forcing (the frozen policy; docs/objective.md#notation). Its
 per-token NLL over the supervised span (y tokens and ``</y>``) is b_i, a float32 vector of length
 n_i per example; everything downstream (token weights, A_mode(b_i), c_base) is a function of b.
 
@@ -10,7 +10,7 @@ Two policies give the same b (up to the float noise of a different batch composi
 
 ``online``
     The trainer calls ``engine.module(batch, mode="reference")`` for every micro-batch, *before* the
-    training forward (ZeRO-3 ordering, see notes/scaleout-pitfalls.md). Nothing is stored.
+    training forward (ZeRO-3 ordering: the reference forward gathers the same sharded weights; README, "Scaling out"). Nothing is stored.
 ``precomputed``
     b of every training and validation example is computed once by :func:`compute_reference_store`
     and kept in a :class:`ReferenceStore` keyed by example id; the trainer then calls
@@ -39,7 +39,7 @@ A corrupt or truncated store: :meth:`ReferenceStore.load` raises :class:`Referen
 ValueError) naming the file; :func:`load_or_build_reference_store` catches it, warns with the file
 name and the reason, and rebuilds (the store is a cache: recomputing is always correct).
 
-c_base (seed 001, 004) is the mean over the validation set of A_mode(b_i), in the training objective's
+c_base (docs/objective.md#c_base) is the mean over the validation set of A_mode(b_i), in the training objective's
 aggregation mode, reduced as a ``(sum, count)`` pair across ranks; it is recorded as a :class:`~zcvae.reference.c_base.CBase`
 with its mode, the validation fingerprint and its source. A stored c_base of another mode or
 fingerprint is never reused (:func:`~zcvae.reference.c_base.resolve_c_base`).

@@ -9,7 +9,7 @@ A name is a sequence of ``key-value`` parts joined by ``_``, e.g. ``agg-sum_dist
 - Parts appear in a fixed order (:data:`ABBREVIATIONS` order, then other fields sorted by name, ``seed``
   last), so the same parameters always give the same name.
 - The aggregation mode (``reconstruction_loss_token_aggregation_mode``) is always present, even at its
-  default, so a ``mean``, a ``sum`` and a ``token`` run can never share a name (seed 001): ``agg-mean``,
+  default, so a ``mean``, a ``sum`` and a ``token`` run can never share a name (a c_base is per mode, docs/objective.md#c_base): ``agg-mean``,
   ``agg-sum``, ``agg-token``; a fixed sum scale C follows it as ``sumscale-C`` (``agg-sum_sumscale-16``).
 
 Values are written losslessly and read back with the type of the default value:
@@ -57,7 +57,6 @@ __all__ = [
     "DEFAULT_EXCLUDE",
     "MAX_NAME_LEN",
     "format_value",
-    "named_params",
     "parse_run_name",
     "parse_value",
     "run_name",
@@ -237,19 +236,6 @@ def _split(
             )
         named[field] = text
     return named, hashed
-
-
-def named_params(
-    params: Mapping[str, Any],
-    defaults: Mapping[str, Any],
-    *,
-    always: Iterable[str] = (AGGREGATION_MODE_FIELD,),
-    exclude: Iterable[str] = DEFAULT_EXCLUDE,
-) -> dict[str, Any]:
-    """The fields of ``params`` that :func:`parse_run_name` recovers from the name (not hashed, not excluded)."""
-    named, _ = _split(params, defaults, always=always, exclude=exclude)
-    merged = {**defaults, **params}
-    return {field: merged[field] for field in named}
 
 
 def run_name(

@@ -1,7 +1,7 @@
-"""The posterior-gradient probe (seed 002): how large the reconstruction gradient on the posterior is, next
+"""The posterior-gradient probe (docs/objective.md#dilution): how large the reconstruction gradient on the posterior is, next
 to the KL gradient.
 
-Seed 002's dilution argument: under a per-token mean, the part of the reconstruction that varies with z
+The dilution argument (docs/objective.md#dilution): under a per-token mean, the part of the reconstruction that varies with z
 is t0/T of the whole, so its gradient on the posterior parameters xi shrinks by t0/T, while the KL
 gradient on xi is O(beta) whatever T is; the posterior collapses when the KL side wins. This module
 measures both sides in a real run, every ``--grad-probe-every`` optimizer steps:
@@ -18,7 +18,7 @@ micro-batches and all-reduced over ranks before their norms are taken, so the no
 global step's gradients (a norm of the sum, not a sum of norms).
 
 Parameter groups: ``posterior_head`` (the router's head that turns the posterior state into q's logits,
-or into mu/logvar for the Gaussian latent: xi of seed 002) and ``lora`` (the adapter weights; q reads
+or into mu/logvar for the Gaussian latent: the posterior parameters xi) and ``lora`` (the adapter weights; q reads
 y through them, and the KL reaches them through the router's states). Record (split ``grad_probe`` of
 metrics.jsonl; TensorBoard tags ``grad_probe/<key>``), for G in {posterior_head, lora}:
 

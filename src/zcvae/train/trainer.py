@@ -216,7 +216,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
         raise ValueError(f"no usable example left: train {len(train_enc)}, val {len(val_enc)} (see the skip messages above)")
     if cfg.kl_weight_scale == "tokens" and cfg.kl_weight_factor is None:
         # the explicit beta control of sum aggregation: sum scales reconstruction by ~mean n_i, so
-        # beta x mean n_i keeps the KL's share of J where mean aggregation has it (seed 001)
+        # beta x mean n_i keeps the KL's share of J where mean aggregation has it (docs/objective.md)
         cfg = dataclasses.replace(cfg, kl_weight_factor=float(np.mean([ex.num_supervised for ex in val_enc])))
         say(f"[kl] kl-weight-scale tokens: beta {cfg.kl_weight:g} x validation mean n_i {cfg.kl_weight_factor:.4g} = {cfg.effective_kl_weight:.4g}")
     model.calibrate(collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots))
@@ -273,7 +273,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
         return metrics
 
     # 5. the loop (zcvae.train.loop), with the CVAE objective of one micro-batch
-    # seed 002's posterior gradient, every grad_probe_every steps (zcvae.train.grad_probe: reads the same forward)
+    # the posterior gradient of the dilution argument (docs/objective.md#dilution), every grad_probe_every steps (zcvae.train.grad_probe: reads the same forward)
     probe = GradientProbe.for_model(model, task=splits.task, tokenizer=model.tokenizer) if cfg.grad_probe_every else None
     objective = CVAEObjective(cfg, engine=engine, model=model, train=train_enc, reference=reference, recon_cfg=recon_cfg, aux=aux,
                               probe=probe, logger=logger)
