@@ -6,6 +6,7 @@ The stable public API (kept from here on; every other module path is internal an
     TrainConfig                                         the flat training config (CLI flags = its fields)
     ReconstructionLossConfig, reconstruction_terms,     the six reconstruction terms
     RECONSTRUCTION_TERMS
+    ReconstructionTerm, register_term                   a new reconstruction term (before zcvae.config loads)
     Batch, EncodedExample, collate, encode_examples     the batch type and how to build one
     Engine, EngineConfig, build_engine                  the engines (local, deepspeed, fsdp2)
     AuxiliaryWeights, per_example_objective,            the per-example objective J and the
@@ -29,6 +30,8 @@ _API = {
     "ReconstructionLossConfig": "zcvae.core.losses",
     "reconstruction_terms": "zcvae.core.losses",
     "RECONSTRUCTION_TERMS": "zcvae.core.losses",
+    "ReconstructionTerm": "zcvae.core.terms",
+    "register_term": "zcvae.core.terms",
     "Batch": "zcvae.templates",
     "EncodedExample": "zcvae.templates",
     "collate": "zcvae.templates",

@@ -20,7 +20,7 @@ from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY, ReconstructionTerm, r
 # The recipe's one step: a registry entry (here registered by code that runs before the rest of zcvae).
 _WITH_SEVENTH_TERM = """
 import sys
-from zcvae.core.terms import ReconstructionTerm, register_term
+from zcvae import ReconstructionTerm, register_term
 register_term(ReconstructionTerm(
     "dummy_reconstruction_loss", "dummy_reconstruction_weight", "dummy",
     lambda parts: 2.0 * parts.raw_B,
