@@ -1,7 +1,7 @@
 """``zcvae demo``: the whole pipeline on the built-in default task, in minutes on a laptop CPU.
 
 1. Pretrain the entangled tiny backbone on the default task (reused when it already exists).
-2. Run seed 001's pilot, all at the same beta, as a run family through the local sweep runner
+2. Run the objective pilot (raw mean against the normalized objectives, each in mean and sum mode), all at the same beta, as a run family through the local sweep runner
    (:func:`zcvae.commands.sweep.run_local`; finished runs are skipped, so an interrupted demo resumes):
    raw mean | dist mean vs sum | tokcc mean vs sum | the best hybrid mean vs sum (the objective presets
    of :data:`zcvae.config.OBJECTIVE_PRESETS`), ``--seeds N`` seeds each.
@@ -12,7 +12,7 @@ on copy first (a raw LM has never seen the template), then the real-LM study's k
 against the default (:func:`real_lm_family`, the runs of ``launch/families/real-lm-copy.yaml``). It
 prints its expected time, from one timed step of the backbone, before it starts.
 
-The question the table answers (seed 002): does the reconstruction objective keep z in use when the KL
+The question the table answers (the dilution argument, docs/objective.md#dilution): does the reconstruction objective keep z in use when the KL
 pushes the posterior to the prior, and does the decoder still work? Teacher-forcing dilution predicts raw
 mean collapses first.
 """
@@ -41,7 +41,7 @@ DEMO_BUDGET = {"pretrain_steps": 800, "max_steps": 300, "micro_batch_size": 64}
 # Runs at once (one thread each when > 1; 1 = one run at a time on all free cores). See BENCHMARKS.md.
 DEMO_JOBS = 2
 
-# Chosen from the CPU prototype (shared/notes/cvae-training-findings.md): a delayed then ramped KL,
+# Chosen from the CPU prototype of this CVAE: a delayed then ramped KL,
 # LoRA 1e-3, latents 1e-2, K = 2 for a two-strategy task.
 DEMO_BASE = {
     "num_latents": 2,
@@ -60,7 +60,7 @@ def demo_family(*, backbone: str, task: str, seeds: int, quick: bool = False) ->
     """The demo as a run family (the format of ``launch/families/*.yaml``)."""
     objectives, modes = zip(*PILOT)
     return {
-        "description": "zcvae demo: seed 001's pilot on the built-in default task",
+        "description": "zcvae demo: the objective pilot on the built-in default task",
         "base": {**(QUICK_BASE if quick else DEMO_BASE), "task": task, "backbone": backbone},
         "grid": {"seed": list(range(seeds))},
         "zip": [{"objective": list(objectives), "reconstruction_loss_token_aggregation_mode": list(modes)}],

@@ -18,7 +18,7 @@ A family file (YAML or JSON) holds::
 Each run's params are ``base`` overlaid with one grid/zip assignment, plus ``slurm.engine`` as ``engine``,
 ``run_name`` (so the trainer records the sweep's name, not one derived against other defaults) and a per-run
 ``output_dir`` = ``<base output_dir, else the defaults', else runs>/<run_name>``. The aggregation mode is
-always written into the params explicitly, even when the family leaves it at its default (seed 001: the mode
+always written into the params explicitly, even when the family leaves it at its default (the mode
 must be explicit in slurm params, run names and tables).
 
 Names come from :func:`zcvae.runs.naming.run_name` (with every grid and zip field always named, so the names of
