@@ -64,6 +64,14 @@ def dist_info() -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
+def shutdown_distributed() -> None:
+    """Destroy the default process group if one was started. Called once a command is done: a process
+    that exits with a live gloo group can abort in the group's destructor ("terminate called without
+    an active exception", SIGABRT), which torchrun reports as a failed rank after a finished run."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def init_distributed(*, timeout: timedelta | None = None, require_group: bool = False) -> DistInfo:
     """Start the default process group once; return where this process sits.
 

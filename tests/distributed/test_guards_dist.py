@@ -62,6 +62,9 @@ def _worker(out: str) -> None:
                     break
         with open(os.path.join(out, f"{scenario}.rank{info.rank}.json"), "w") as f:
             json.dump(seen, f)
+    from zcvae.distributed import shutdown_distributed
+
+    shutdown_distributed()  # exiting with a live gloo group can abort in its destructor
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and not argv[0].startswith("-") else "zcvae"
     try:
-        return _dispatch(argv)
+        return _run_command(argv)
     except RunStopped as err:
         print(f"zcvae {command}: {err}", file=sys.stderr)
         return err.exit_code
@@ -189,6 +189,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"zcvae {command}: error: {line}", file=sys.stderr)
         return 2
+
+
+def _run_command(argv: list[str]) -> int:
+    from zcvae.distributed import shutdown_distributed
+
+    try:
+        return _dispatch(argv)
+    finally:
+        shutdown_distributed()
 
 
 def _dispatch(argv: list[str]) -> int:
