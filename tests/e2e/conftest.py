@@ -32,3 +32,16 @@ def tiny_backbone(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("backbone") / "bb"
     run_cli("pretrain", "--task", "copy", "--output-dir", out, *TINY_PRETRAIN)
     return out
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Private backbone cache for in-process calls (the default backbone is never built here)."""
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("ZCVAE_CACHE")
+    os.environ["ZCVAE_CACHE"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("ZCVAE_CACHE", None)
+    else:
+        os.environ["ZCVAE_CACHE"] = old

@@ -51,19 +51,6 @@ def refused(rc: int, out: str, *words: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """Private backbone cache for in-process calls (the default backbone is never built here)."""
-    cache = tmp_path_factory.mktemp("cache")
-    old = os.environ.get("ZCVAE_CACHE")
-    os.environ["ZCVAE_CACHE"] = str(cache)
-    yield cache
-    if old is None:
-        os.environ.pop("ZCVAE_CACHE", None)
-    else:
-        os.environ["ZCVAE_CACHE"] = old
-
-
-@pytest.fixture(scope="module")
 def run(cli, tiny_backbone, tmp_path_factory) -> Path:
     """A finished run: checkpoints at steps 3 and 6."""
     run_dir = tmp_path_factory.mktemp("bad") / "run"

@@ -65,18 +65,6 @@ def steps_of(run_dir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    old = os.environ.get("ZCVAE_CACHE")
-    os.environ["ZCVAE_CACHE"] = str(cache)
-    yield cache
-    if old is None:
-        os.environ.pop("ZCVAE_CACHE", None)
-    else:
-        os.environ["ZCVAE_CACHE"] = old
-
-
-@pytest.fixture(scope="module")
 def run(tiny_backbone, tmp_path_factory, env):
     """(run dir, output) of a finished 4-step run (checkpoints at 2 and 4) on 4 validation examples."""
     import contextlib

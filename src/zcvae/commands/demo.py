@@ -129,7 +129,7 @@ def expected_seconds(step_seconds: float, *, stage_batch: int, stage: dict | Non
 def run_real_lm_demo(*, backbone: str, output_dir: str, quick: bool, seeds: int, jobs: int, log=print) -> str:
     """``zcvae demo --backbone``: the entangled stage, then the study's key arms, through the local sweep
     runner (a finished stage and finished runs are reused, an unfinished run resumes)."""
-    from zcvae.commands.sweep import local_plan, local_table, run_local, stage_status
+    from zcvae.commands.sweep import local_plan, stage_status
 
     out = Path(output_dir)
     started = time.perf_counter()
@@ -145,11 +145,19 @@ def run_real_lm_demo(*, backbone: str, output_dir: str, quick: bool, seeds: int,
         f"{'' if todo_stage else ' (already built)'}, each of {len(runs)} runs ~{budget['run'] / 60:.0f} min, {jobs} at a time)")
     log(f"[demo] 1/3 the entangled stage on {REAL_LM_TASK!r} -> {stage['output_dir']}; "
         f"2/3 {len(runs)} runs: {', '.join(REAL_LM_ARMS)} mean, {seeds} seed(s) each")
+    return _run_and_tabulate(runs, jobs=jobs, quick=quick, out=out, started=started, log=log,
+                             heading="final validation metrics")
+
+
+def _run_and_tabulate(runs, *, jobs: int, quick: bool, out: Path, started: float, log, heading: str) -> str:
+    """Step 2/3 and 3/3 of both demos: train the runs (finished ones skipped), print and save the table."""
+    from zcvae.commands.sweep import local_table, run_local
+
     _, failed = run_local(runs, jobs=jobs, log=log, progress_bar=not quick)
     if failed:
         raise ValueError("demo runs failed: " + "; ".join(f"{run.name}: {why}" for run, why in failed))
     table = local_table(runs)
-    log("\n[demo] 3/3 final validation metrics\n")
+    log(f"\n[demo] 3/3 {heading}\n")
     log(table)
     log(f"\n[demo] done in {time.perf_counter() - started:.0f} s. TensorBoard: tensorboard --logdir {out / 'runs'}")
     (out / "table.md").write_text(table + "\n")
@@ -160,7 +168,7 @@ def run_demo(*, output_dir: str = "runs/demo", quick: bool = False, seeds: int =
              backbone: str | None = None, log=print) -> str:
     from zcvae.backbone.pretraining import PretrainConfig, is_pretrained, pretrain
     from zcvae.data import DEFAULT_TASK
-    from zcvae.commands.sweep import local_plan, local_table, run_local
+    from zcvae.commands.sweep import local_plan
 
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
@@ -183,12 +191,5 @@ def run_demo(*, output_dir: str = "runs/demo", quick: bool = False, seeds: int =
     log(f"[demo] pretraining done at {time.perf_counter() - started:.0f} s")
     runs = local_plan(demo_family(backbone=str(backbone.resolve()), task=DEFAULT_TASK, seeds=seeds, quick=quick), output_dir=out / "runs")
     log(f"[demo] 2/3 {len(runs)} runs: {', '.join(f'{o} {m}' for o, m in PILOT)}, {seeds} seed(s) each")
-    _, failed = run_local(runs, jobs=DEMO_JOBS if jobs is None else jobs, log=log, progress_bar=not quick)
-    if failed:
-        raise ValueError("demo runs failed: " + "; ".join(f"{run.name}: {why}" for run, why in failed))
-    table = local_table(runs)
-    log("\n[demo] 3/3 final validation metrics (NMI: argmax q(z|x,y) vs the gold strategy; matching: best z-to-strategy decoding)\n")
-    log(table)
-    log(f"\n[demo] done in {time.perf_counter() - started:.0f} s. TensorBoard: tensorboard --logdir {out / 'runs'}")
-    (out / "table.md").write_text(table + "\n")
-    return table
+    return _run_and_tabulate(runs, jobs=DEMO_JOBS if jobs is None else jobs, quick=quick, out=out, started=started, log=log,
+                             heading="final validation metrics (NMI: argmax q(z|x,y) vs the gold strategy; matching: best z-to-strategy decoding)")
