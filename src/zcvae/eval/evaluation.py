@@ -4,6 +4,13 @@
                        task=splits.task, run_dir=run_dir, step=step)       # collective: every rank
     zcvae evaluate RUN_DIR                                                   # -> evaluate_run(RUN_DIR)
 
+Where each part lives: ``eval.records`` (the typed records: ``ExampleRecord`` per validation example,
+``DecodeRecord`` per decode; sharding and gathering), ``eval.passes`` (the per-rank forwards, through the
+engine's module), ``eval.summary`` (every metric from the gathered records: ``summarize_discrete`` and
+``summarize_gaussian``, one per latent type, then the shared parts), ``eval.strata`` (per stratum),
+``eval.metrics`` (pure numpy/scikit-learn formulas), ``eval.figures``, ``eval.verdict``; this module runs
+them and writes the files.
+
 Exact under data parallelism. Example i of the validation set goes to rank ``i % W`` (rank r takes
 r, r+W, ...); each rank's shard is padded to ``ceil(N / W)`` with repeats of example 0 whose results
 are discarded, so every rank runs the same number of forwards of the same batch sizes (ZeRO-3 and
@@ -50,7 +57,7 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
   ambiguous (x, y) is caught even when it occurs once (as in ``mul`` with b = 1); for user data only
   repeated (x, y) pairs reveal ambiguity.
   ``nmi_ratio`` = ``nmi`` / ``nmi_reachable`` (1.0 when ``nmi_reachable`` is 0: nothing to reach).
-* Stratified (``stratified_metrics``; the aggregation pilot's confound "does sum only upweight long examples?"):
+* Stratified (``eval.strata.stratified_metrics``; the aggregation pilot's confound "does sum only upweight long examples?"):
   ``by_strategy/<strategy>/...`` per gold strategy and ``by_length/t1|t2|t3/...`` per tercile of
   the supervised length n_i (t1 shortest, ties kept together), each with ``num_examples``, the six
   reconstruction terms (``by_strategy/forward/reconstruction_loss``, ...), ``nmi`` (by strategy:
