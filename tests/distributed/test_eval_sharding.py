@@ -40,7 +40,7 @@ def run_evaluation(backbone: str, engine_name: str, run_dir: str | None) -> dict
     from zcvae.model.cvae import ZCVAE
     from zcvae.reference.provider import ReferenceProvider
     from zcvae.templates import collate, encode_examples
-    import zcvae.eval.evaluation as evaluation_module
+    import zcvae.eval.summary as summary_module
 
     cfg = TrainConfig(task="copy", backbone=backbone, micro_batch_size=2, num_eval_decode_examples=5, max_new_tokens=4,
                       reference_policy="online", num_latents=3, engine=engine_name)
@@ -61,12 +61,12 @@ def run_evaluation(backbone: str, engine_name: str, run_dir: str | None) -> dict
                                         log=lambda *a: None)
     # NUM_VAL examples are below the label counts that make gold metrics trustworthy; this test compares
     # ranks with one process, so it scores them anyway (test_faults.py checks the thresholds)
-    saved = evaluation_module.MIN_LABELLED, evaluation_module.MIN_LABELLED_PER_STRATEGY
-    evaluation_module.MIN_LABELLED = evaluation_module.MIN_LABELLED_PER_STRATEGY = 1
+    saved = summary_module.MIN_LABELLED, summary_module.MIN_LABELLED_PER_STRATEGY
+    summary_module.MIN_LABELLED = summary_module.MIN_LABELLED_PER_STRATEGY = 1
     try:
         return evaluate(engine=engine, model=model, cfg=cfg, val=val, reference=reference, task=task, run_dir=run_dir, step=1)
     finally:
-        evaluation_module.MIN_LABELLED, evaluation_module.MIN_LABELLED_PER_STRATEGY = saved
+        summary_module.MIN_LABELLED, summary_module.MIN_LABELLED_PER_STRATEGY = saved
 
 
 def _worker(argv: list[str]) -> None:

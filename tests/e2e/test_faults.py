@@ -366,7 +366,7 @@ def test_05_gold_metrics_with_too_few_labels_are_absent_with_a_warning(run):
 
 
 def test_05_the_label_thresholds():
-    from zcvae.eval.evaluation import gold_labels_problem
+    from zcvae.eval.summary import gold_labels_problem
 
     assert gold_labels_problem([None] * 20) is None
     assert gold_labels_problem(["a"] * 4 + ["b"] * 4) is None
@@ -385,7 +385,7 @@ def test_06_the_latent_figure_of_many_latents_shows_the_most_used(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from zcvae.eval.metrics import MAX_FIGURE_ROWS, plot_latent_figure
+    from zcvae.eval.figures import MAX_FIGURE_ROWS, plot_latent_figure
 
     usage = np.zeros(1000)
     usage[[7, 500]] = [0.6, 0.4]

@@ -12,6 +12,7 @@ from test_evaluation import _CountingModule, _engine_view, one_thread, setup  # 
 
 from zcvae.eval.evaluation import evaluate, summarize
 from zcvae.eval.metrics import distinct_outputs
+from zcvae.eval.records import DecodeRecord, ExampleRecord
 
 
 def test_distinct_outputs_on_a_hand_built_decode():
@@ -45,16 +46,17 @@ def test_summarize_without_a_parser_reports_distinct_outputs_and_argmax_exact_ma
                           router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
     val = [SimpleNamespace(id=f"e{i}", x_ids=(i,), y_ids=(1, 3), strategy=None) for i in range(3)]
     terms = {"loss": 1.0, "kl": 0.1, "num_tokens": 2.0, "num_tokens_min": 2.0, "num_tokens_max": 2.0, "valid": 1.0}
-    records = [{"index": i, "strategy": None, "terms": terms, "q": q, "p": [0.5, 0.5], "cond_nll": [1.0, 1.0], "ref_nll": [1.0, 1.0]}
+    records = [ExampleRecord(index=i, strategy=None, terms=terms, cond_nll_N=[1.0, 1.0], ref_nll_N=[1.0, 1.0],
+                             posterior_K=q, prior_K=[0.5, 0.5])
                for i, q in enumerate([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]])]
     # x 0: argmax latent 0 decodes the gold y, latent 1 something else; x 1 and x 2: both latents alike
     decodes = [
-        {"index": 0, "latent": 0, "generated": [1, 3], "closed": True},
-        {"index": 0, "latent": 1, "generated": [2, 3], "closed": True},
-        {"index": 1, "latent": 0, "generated": [1, 3], "closed": True},
-        {"index": 1, "latent": 1, "generated": [1, 3], "closed": True},
-        {"index": 2, "latent": 0, "generated": [4], "closed": True},
-        {"index": 2, "latent": 1, "generated": [4], "closed": True},
+        DecodeRecord(index=0, latent=0, generated=[1, 3], closed=True),
+        DecodeRecord(index=0, latent=1, generated=[2, 3], closed=True),
+        DecodeRecord(index=1, latent=0, generated=[1, 3], closed=True),
+        DecodeRecord(index=1, latent=1, generated=[1, 3], closed=True),
+        DecodeRecord(index=2, latent=0, generated=[4], closed=True),
+        DecodeRecord(index=2, latent=1, generated=[4], closed=True),
     ]
     scalars, _ = summarize(records, decodes, cfg=cfg, val=val, task=None, tokenizer=_Tok(), c_base=1.0, num_decode_steps=4)
     assert scalars["control/distinct_outputs"] == pytest.approx(1 / 3)

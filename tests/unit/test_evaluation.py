@@ -15,7 +15,8 @@ import torch
 
 from zcvae.model.decoding import greedy_decode
 from zcvae.eval.evaluation import decode_length, evaluate, gather_records, shard_indices, summarize
-import zcvae.eval.evaluation as evaluation_module
+from zcvae.eval.records import DecodeRecord, ExampleRecord
+import zcvae.eval.summary as summary_module
 
 # ---------------------------------------------------------------- pure parts
 
@@ -40,13 +41,14 @@ def test_shard_indices_rejects_bad_rank():
 
 
 def test_gather_records_merges_parts_in_index_order():
-    parts = [[{"index": 0}, {"index": 2}], [{"index": 1, "latent": 1}, {"index": 1, "latent": 0}]]
+    parts = [[DecodeRecord(0, None, [], True), DecodeRecord(2, None, [], True)],
+             [DecodeRecord(1, 1, [], True), DecodeRecord(1, 0, [], True)]]
 
     def fake_all_gather(out, obj):
         out[:] = copy.deepcopy(parts)
 
     merged = gather_records(parts[0], world_size=2, all_gather_object=fake_all_gather)
-    assert [(r["index"], r.get("latent")) for r in merged] == [(0, None), (1, 0), (1, 1), (2, None)]
+    assert [(r.index, r.latent) for r in merged] == [(0, None), (1, 0), (1, 1), (2, None)]
 
 
 def test_greedy_decode_runs_fixed_steps_and_stops_rows_at_the_stop_token():
@@ -95,7 +97,8 @@ class _Tok:
 
 def _record(i, q, strategy, n=2):
     terms = {"loss": 1.0 + i, "kl": 0.5, "num_tokens": float(n), "num_tokens_min": float(n), "num_tokens_max": float(n), "valid": 1.0}
-    return {"index": i, "strategy": strategy, "terms": terms, "q": q, "p": [0.5, 0.5], "cond_nll": [1.0] * n, "ref_nll": [1.5, 1.0][:n]}
+    return ExampleRecord(index=i, strategy=strategy, terms=terms, cond_nll_N=[1.0] * n, ref_nll_N=[1.5, 1.0][:n],
+                         posterior_K=q, prior_K=[0.5, 0.5])
 
 
 def test_summarize_computes_whole_set_metrics_and_controllability_by_hand():
@@ -105,10 +108,10 @@ def test_summarize_computes_whole_set_metrics_and_controllability_by_hand():
     records = [_record(0, [1.0, 0.0], "A"), _record(1, [0.0, 1.0], "B", n=1), _record(2, [0.9, 0.1], "A")]
     # latent 0 -> "A 7" (correct for x = 7), latent 1 -> "B 8" (wrong answer); example 1 latent 1 never closed
     decodes = [
-        {"index": 0, "latent": 0, "generated": [1, 3], "closed": True},
-        {"index": 0, "latent": 1, "generated": [2, 4], "closed": True},
-        {"index": 1, "latent": 0, "generated": [1, 3], "closed": True},
-        {"index": 1, "latent": 1, "generated": [2, 3], "closed": False},
+        DecodeRecord(index=0, latent=0, generated=[1, 3], closed=True),
+        DecodeRecord(index=0, latent=1, generated=[2, 4], closed=True),
+        DecodeRecord(index=1, latent=0, generated=[1, 3], closed=True),
+        DecodeRecord(index=1, latent=1, generated=[2, 3], closed=False),
     ]
     scalars, details = summarize(records, decodes, cfg=cfg, val=val, task=_Task(), tokenizer=_Tok(), c_base=2.0, num_decode_steps=5)
     assert scalars["loss"] == pytest.approx(2.0) and scalars["kl"] == pytest.approx(0.5)
@@ -176,9 +179,9 @@ def _stratified_set():
     records = []
     for i in range(6):
         rec = _record(i, q[i], gold[i], n=lengths[i])
-        rec["cond_nll"], rec["ref_nll"] = [1.0] * lengths[i], [1.0] * lengths[i]
+        rec.cond_nll_N, rec.ref_nll_N = [1.0] * lengths[i], [1.0] * lengths[i]
         # term j of example i = 10 j + i, so a stratum's mean is 10 j + (mean of its indices)
-        rec["terms"].update({name: 10.0 * j + i for j, name in enumerate(RECON_TERMS)})
+        rec.terms.update({name: 10.0 * j + i for j, name in enumerate(RECON_TERMS)})
         records.append(rec)
     return val, records, gold
 
@@ -221,11 +224,11 @@ def test_summarize_stratified_and_reachable_metrics_are_exact_on_a_hand_built_se
     for t, rows in {"t1": [0, 1], "t2": [2, 3, 4], "t3": [5]}.items():
         p = f"by_length/{t}"
         assert scalars[f"{p}/num_examples"] == len(rows)
-        assert scalars[f"{p}/min_length"] == min(len(records[i]["cond_nll"]) for i in rows)
-        assert scalars[f"{p}/max_length"] == max(len(records[i]["cond_nll"]) for i in rows)
+        assert scalars[f"{p}/min_length"] == min(records[i].num_tokens for i in rows)
+        assert scalars[f"{p}/max_length"] == max(records[i].num_tokens for i in rows)
         for j, name in enumerate(RECON_TERMS):
             assert scalars[f"{p}/{name}"] == pytest.approx(10 * j + sum(rows) / len(rows)), (p, name)
-        usage = np.mean([records[i]["q"] for i in rows], axis=0)
+        usage = np.mean([records[i].posterior_K for i in rows], axis=0)
         assert [scalars[f"{p}/latent_usage/{k}"] for k in (0, 1)] == pytest.approx(usage.tolist())
     assert scalars["by_length/t1/nmi"] == 1.0  # one strategy, one latent
     assert scalars["by_length/t2/nmi"] == 0.0  # B, B, C all on latent 1: no information
@@ -250,15 +253,15 @@ def test_decoding_metrics_and_kappa_by_stratum_are_exact_on_a_hand_built_set():
     records = []
     for i in range(6):
         rec = _record(i, q[i], gold[i], n=lengths[i])
-        rec["cond_nll"], rec["ref_nll"] = [1.0] * lengths[i], [1.0] * lengths[i]
-        rec["terms"]["token_concentration_factor"] = 0.5 + i
+        rec.cond_nll_N, rec.ref_nll_N = [1.0] * lengths[i], [1.0] * lengths[i]
+        rec.terms["token_concentration_factor"] = 0.5 + i
         records.append(rec)
     # the first five x are decoded with both latents (example 5 is not decoded); latent 0 writes "A 7",
     # latent 1 "B 7", except: example 1 latent 0 "A 8" (parses, wrong answer, not exact), example 3
     # latent 1 never closes, example 4 latent 1 "B" (no parse)
     generated = {(i, k): ((1, 3) if k == 0 else (2, 3)) for i in range(5) for k in (0, 1)}
     generated[(1, 0)], generated[(4, 1)] = (1, 4), (2,)
-    decodes = [{"index": i, "latent": k, "generated": list(generated[(i, k)]), "closed": (i, k) != (3, 1)}
+    decodes = [DecodeRecord(index=i, latent=k, generated=list(generated[(i, k)]), closed=(i, k) != (3, 1))
                for i in range(5) for k in (0, 1)]
     scalars, _ = summarize(records, decodes, cfg=cfg, val=val, task=_Task(), tokenizer=_Tok(), c_base=1.0, num_decode_steps=4)
     # whole set: exact on the argmax decodes of 0..4 = T F T F T; 8 of 10 parse; 7 of 10 answer 7
@@ -299,14 +302,14 @@ def test_nmi_ratio_is_one_when_nothing_is_reachable():
 
 def test_decision_positions_of_a_late_family_are_counted_in_token_positions(tmp_path):
     from zcvae.data import build_tokenizer, get_task, make_examples
-    from zcvae.eval.evaluation import _decision_positions
-    from zcvae.eval.metrics import plot_information_gain
+    from zcvae.eval.summary import _decision_positions
+    from zcvae.eval.figures import plot_information_gain
 
     tok = build_tokenizer()
     task = get_task("mul")
     examples = make_examples(task, seed=0, split="val", num_examples=12)
     val = [SimpleNamespace(x_ids=tuple(tok(e.x)["input_ids"]), y_ids=tuple(tok(e.y)["input_ids"])) for e in examples]
-    counts = _decision_positions([{"index": i} for i in range(len(val))], val=val, task=task, tokenizer=tok)
+    counts = _decision_positions([SimpleNamespace(index=i) for i in range(len(val))], val=val, task=task, tokenizer=tok)
     expected: dict[int, int] = {}
     for e in examples:  # after 'a * b': len(a) + 2 words = tokens
         expected[len(e.x.split())] = expected.get(len(e.x.split()), 0) + 1
@@ -323,8 +326,8 @@ def score_tiny_label_sets():
     """These tests check the metric formulas on hand-built and tiny sets, below the label counts that
     make gold metrics trustworthy (MIN_LABELLED, MIN_LABELLED_PER_STRATEGY); test_faults.py checks those."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(evaluation_module, "MIN_LABELLED", 1)
-        mp.setattr(evaluation_module, "MIN_LABELLED_PER_STRATEGY", 1)
+        mp.setattr(summary_module, "MIN_LABELLED", 1)
+        mp.setattr(summary_module, "MIN_LABELLED_PER_STRATEGY", 1)
         yield
 
 
@@ -616,7 +619,7 @@ def test_reachable_nmi_counts_every_strategy_that_renders_a_y():
 def test_nmi_reachable_on_mul_equals_the_canonical_strategy_nmi():
     """On ``mul`` (direct = repeated iff b = 1), reachable NMI < 1, computed independently from b."""
     from zcvae.data import build_tokenizer, get_task, make_examples
-    from zcvae.eval.evaluation import _equivalent_strategies
+    from zcvae.eval.summary import _equivalent_strategies
     from zcvae.eval.metrics import reachable_nmi
 
     tok = build_tokenizer()
@@ -624,7 +627,7 @@ def test_nmi_reachable_on_mul_equals_the_canonical_strategy_nmi():
     examples = make_examples(task, seed=0, split="val", num_examples=60)
     val = [SimpleNamespace(x_ids=tuple(tok(e.x)["input_ids"]), y_ids=tuple(tok(e.y)["input_ids"]), strategy=e.strategy)
            for e in examples]
-    records = [{"index": i} for i in range(len(val))]
+    records = [SimpleNamespace(index=i) for i in range(len(val))]
     candidates = _equivalent_strategies(range(len(val)), records, val=val, task=task, tokenizer=tok)
     gold = [e.strategy for e in examples]
     inputs = [(v.x_ids, v.y_ids) for v in val]
@@ -642,15 +645,15 @@ def test_closure_rate_is_the_share_of_every_decode_that_emits_the_closing_marker
     val = [SimpleNamespace(id=f"e{i}", x_ids=(3,), y_ids=(1, 3), strategy=s) for i, s in enumerate(["A", "B", "A"])]
     records = [_record(0, [1.0, 0.0], "A"), _record(1, [0.0, 1.0], "B"), _record(2, [0.9, 0.1], "A")]
     decodes = [
-        {"index": 0, "latent": 0, "generated": [1, 3], "closed": True},
-        {"index": 0, "latent": 1, "generated": [2, 4, 4, 4, 4], "closed": False},  # repeats instead of stopping
-        {"index": 1, "latent": 0, "generated": [1, 3, 1, 3, 1], "closed": False},
-        {"index": 1, "latent": 1, "generated": [2, 3, 2, 3, 2], "closed": False},
-        {"index": 2, "latent": 0, "generated": [1, 3], "closed": True},
-        {"index": 2, "latent": 1, "generated": [2], "closed": True},
+        DecodeRecord(index=0, latent=0, generated=[1, 3], closed=True),
+        DecodeRecord(index=0, latent=1, generated=[2, 4, 4, 4, 4], closed=False),  # repeats instead of stopping
+        DecodeRecord(index=1, latent=0, generated=[1, 3, 1, 3, 1], closed=False),
+        DecodeRecord(index=1, latent=1, generated=[2, 3, 2, 3, 2], closed=False),
+        DecodeRecord(index=2, latent=0, generated=[1, 3], closed=True),
+        DecodeRecord(index=2, latent=1, generated=[2], closed=True),
     ]
     scalars, details = summarize(records, decodes, cfg=cfg, val=val, task=_Task(), tokenizer=_Tok(), c_base=1.0, num_decode_steps=5)
     assert scalars["closure_rate"] == pytest.approx(3 / 6)
-    assert [s["closed"] for s in details["samples"]] == [d["closed"] for d in decodes]
+    assert [s["closed"] for s in details["samples"]] == [d.closed for d in decodes]
     scalars, _ = summarize(records, [], cfg=cfg, val=val, task=_Task(), tokenizer=_Tok(), c_base=1.0, num_decode_steps=None)
     assert "closure_rate" not in scalars  # nothing decoded, nothing to report

@@ -16,8 +16,8 @@ from zcvae.eval.metrics import (
     gaussian_latent_metrics,
     information_gain_by_position,
     kmeans_labels,
-    plot_latent_figure,
 )
+from zcvae.eval.figures import plot_latent_figure
 
 
 def nmi(a, b):

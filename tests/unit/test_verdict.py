@@ -14,6 +14,7 @@ import pytest
 
 from zcvae.config import DEFAULT_OBJECTIVE, TrainConfig
 from zcvae.eval.evaluation import summarize
+from zcvae.eval.records import DecodeRecord, ExampleRecord
 from zcvae.eval.verdict import (
     LATE_DECISION_RECIPE,
     MIN_DISTINCT_OUTPUTS,
@@ -52,10 +53,10 @@ def _run_metrics(rows, *, num_latents, labelled=True, outputs=None, num_decoded=
         gold = strategy if labelled else None
         val.append(SimpleNamespace(id=f"e{i}", x_ids=(i,), y_ids=(100 + i, 7), strategy=gold))
         terms = {"loss": 1.0, "kl": 0.0, "num_tokens": 3.0, "num_tokens_min": 3.0, "num_tokens_max": 3.0, "valid": 1.0}
-        records.append({"index": i, "strategy": gold, "terms": terms, "q": list(q), "p": [1.0 / num_latents] * num_latents,
-                        "cond_nll": [1.0, 0.5, 0.1], "ref_nll": [1.5, 0.5, 0.1]})
+        records.append(ExampleRecord(index=i, strategy=gold, terms=terms, cond_nll_N=[1.0, 0.5, 0.1], ref_nll_N=[1.5, 0.5, 0.1],
+                                     posterior_K=list(q), prior_K=[1.0 / num_latents] * num_latents))
     outputs = outputs or (lambda i, k: [200 + k, 7])
-    decodes = [{"index": i, "latent": k, "generated": outputs(i, k), "closed": True}
+    decodes = [DecodeRecord(index=i, latent=k, generated=outputs(i, k), closed=True)
                for i in range(num_decoded or len(rows)) for k in range(num_latents)]
     scalars, _ = summarize(records, decodes, cfg=cfg, val=val, task=None, tokenizer=_Tok(), c_base=1.0, num_decode_steps=4)
     return scalars

@@ -206,6 +206,69 @@ def _merge_step(config: Mapping[str, Any], num_latents: int, num_strategies: int
     return "the late-decision recipe is on already: check that K is the number of strategies, then try more --max-steps or another --seed"
 
 
+def _discrete_status(metrics: Mapping[str, Any], num_latents: int, distinct: float | None, *,
+                     information: dict[str, Any], latents: dict[str, Any], reasons: list[str]) -> tuple[str, str]:
+    """(status, category) of a discrete latent from MI and distinct outputs; fills the three containers."""
+    mi = _number(metrics, "mi")
+    log_k = math.log(num_latents) if num_latents > 1 else 0.0
+    fraction = mi / log_k if mi is not None and log_k > 0 else None
+    information.update(mi=mi, log_num_latents=log_k, mi_fraction=fraction)
+    used, k_eff = _number(metrics, "num_used_latents"), _number(metrics, "router_support")
+    latents.update(num_used_latents=used, effective_num_latents=k_eff)
+    if num_latents < 2:
+        status = "collapsed"
+        reasons.append("K = 1: z takes one value and carries no information")
+    elif fraction is None:
+        status = "unknown"
+        reasons.append("the evaluation has no MI (mi): cannot tell whether z carries information")
+    elif fraction < MIN_MI_FRACTION:
+        status = "collapsed"
+        reasons.append(f"MI {_fmt(mi)} nats is {fraction:.2g} x log K, below {MIN_MI_FRACTION}: q(z|x,y) is the same for every example")
+    elif distinct is not None and distinct < MIN_DISTINCT_OUTPUTS:
+        status = "collapsed"
+        reasons.append(f"decoding differs across z on {distinct:.0%} of x (< {MIN_DISTINCT_OUTPUTS:.0%}): the decoder ignores z")
+    else:
+        status = "in use"
+    shown = k_eff if k_eff is not None else used  # K_eff, else the count
+    category = f"in use ({'-' if shown is None else f'{shown:.1f}'} of {num_latents})" if status == "in use" else status
+    return status, category
+
+
+def _gaussian_status(metrics: Mapping[str, Any], num_latents: int, *,
+                     information: dict[str, Any], latents: dict[str, Any], reasons: list[str]) -> tuple[str, str]:
+    """(status, category) of a Gaussian latent from its active units; fills the three containers."""
+    active = _number(metrics, "active_units")
+    information.update(kl_to_standard_normal=_number(metrics, "kl_to_standard_normal"))
+    latents.update(active_units=active)
+    if active is None:
+        status = "unknown"
+        reasons.append("the evaluation has no active_units: cannot tell whether z carries information")
+    elif active < 1:
+        status = "collapsed"
+        reasons.append("no active unit: the posterior mean does not vary across examples in any dimension")
+    else:
+        status = "in use"
+    category = status if status != "in use" else f"in use ({active:g} of {num_latents})"
+    return status, category
+
+
+def _next_step(config: Mapping[str, Any], *, discrete: bool, status: str, gold_status: str | None, num_latents: int,
+               num_used_latents: float | None, structure: Mapping[str, Any] | None) -> str | None:
+    """What to try next: None unless z collapsed, or is in use but not (all) along the strategies."""
+    if status == "collapsed":
+        return _collapse_step(config, num_latents if discrete else 2)
+    if gold_status == "collapsed" and not discrete:
+        return _collapse_step(config, 2)
+    if discrete and gold_status in ("collapsed", "merged", "mixed"):  # z in use, but not (all) along the strategies
+        return _merge_step(config, num_latents, structure and structure["num_strategies"])
+    if discrete and gold_status is None and status == "in use":
+        used = num_used_latents
+        if used is not None and used < num_latents and not _late_recipe(config):
+            return (f"{used:g} of {num_latents} latents in use: if the data has {num_latents} strategies, some share a latent; "
+                    f"for strategies that part late in y try --config {LATE_DECISION_RECIPE}; if it has {used:g}, nothing to do")
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # The verdict
 # ----------------------------------------------------------------------------------------------
@@ -226,47 +289,14 @@ def judge(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int | 
     """
     discrete = config.get("latent_type", "discrete") == "discrete"
     num_latents = int(config.get("num_latents") or 1) if discrete else int(config.get("latent_dim") or 0)
-    kl, mi = _number(metrics, "kl"), _number(metrics, "mi")
     distinct = _number(metrics, DISTINCT_OUTPUTS_KEY) if discrete else None
     reasons: list[str] = []
-    information: dict[str, Any] = {"kl": kl}
+    information: dict[str, Any] = {"kl": _number(metrics, "kl")}
     latents: dict[str, Any] = {"latent_type": "discrete" if discrete else "continuous", "num_latents": num_latents}
-
     if discrete:
-        log_k = math.log(num_latents) if num_latents > 1 else 0.0
-        fraction = mi / log_k if mi is not None and log_k > 0 else None
-        information.update(mi=mi, log_num_latents=log_k, mi_fraction=fraction)
-        used, k_eff = _number(metrics, "num_used_latents"), _number(metrics, "router_support")
-        latents.update(num_used_latents=used, effective_num_latents=k_eff)
-        if num_latents < 2:
-            status = "collapsed"
-            reasons.append("K = 1: z takes one value and carries no information")
-        elif fraction is None:
-            status = "unknown"
-            reasons.append("the evaluation has no MI (mi): cannot tell whether z carries information")
-        elif fraction < MIN_MI_FRACTION:
-            status = "collapsed"
-            reasons.append(f"MI {_fmt(mi)} nats is {fraction:.2g} x log K, below {MIN_MI_FRACTION}: q(z|x,y) is the same for every example")
-        elif distinct is not None and distinct < MIN_DISTINCT_OUTPUTS:
-            status = "collapsed"
-            reasons.append(f"decoding differs across z on {distinct:.0%} of x (< {MIN_DISTINCT_OUTPUTS:.0%}): the decoder ignores z")
-        else:
-            status = "in use"
-        shown = k_eff if k_eff is not None else used  # K_eff, else the count
-        category = f"in use ({'-' if shown is None else f'{shown:.1f}'} of {num_latents})" if status == "in use" else status
+        status, category = _discrete_status(metrics, num_latents, distinct, information=information, latents=latents, reasons=reasons)
     else:
-        active = _number(metrics, "active_units")
-        information.update(kl_to_standard_normal=_number(metrics, "kl_to_standard_normal"))
-        latents.update(active_units=active)
-        if active is None:
-            status = "unknown"
-            reasons.append("the evaluation has no active_units: cannot tell whether z carries information")
-        elif active < 1:
-            status = "collapsed"
-            reasons.append("no active unit: the posterior mean does not vary across examples in any dimension")
-        else:
-            status = "in use"
-        category = status if status != "in use" else f"in use ({active:g} of {num_latents})"
+        status, category = _gaussian_status(metrics, num_latents, information=information, latents=latents, reasons=reasons)
     information["carries_information"] = None if status == "unknown" else status == "in use"
 
     decoding = {"distinct_outputs": distinct, "num_decoded_examples": _number(metrics, "decode/num_examples"),
@@ -283,19 +313,8 @@ def judge(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int | 
         if "homogeneity" in gold:  # K above the number of strategies is fine while this holds
             gold["pure"] = gold["homogeneity"] >= PURE_HOMOGENEITY
         gold_status = _gold_status(metrics, structure)
-
-    next_step = None
-    if status == "collapsed":
-        next_step = _collapse_step(config, num_latents if discrete else 2)
-    elif gold_status == "collapsed" and not discrete:
-        next_step = _collapse_step(config, 2)
-    elif discrete and gold_status in ("collapsed", "merged", "mixed"):  # z in use, but not (all) along the strategies
-        next_step = _merge_step(config, num_latents, structure and structure["num_strategies"])
-    elif discrete and gold_status is None and status == "in use":
-        used = latents["num_used_latents"]
-        if used is not None and used < num_latents and not _late_recipe(config):
-            next_step = (f"{used:g} of {num_latents} latents in use: if the data has {num_latents} strategies, some share a latent; "
-                         f"for strategies that part late in y try --config {LATE_DECISION_RECIPE}; if it has {used:g}, nothing to do")
+    next_step = _next_step(config, discrete=discrete, status=status, gold_status=gold_status, num_latents=num_latents,
+                           num_used_latents=latents.get("num_used_latents"), structure=structure)
 
     shown_gold = gold_status
     if gold_status == "split" and "pure" in gold:

@@ -360,7 +360,7 @@ def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
     """Limits checked before any step: ValueError when ``--max-length`` exceeds the positions the
     backbone was built for (past them a learned position table indexes out of range and a rotary model
     runs on positions it never saw); a note when K is more than the latent figure draws."""
-    from zcvae.eval.metrics import MAX_FIGURE_ROWS
+    from zcvae.eval.figures import MAX_FIGURE_ROWS
 
     if cfg.latent_type == "discrete" and cfg.num_latents > MAX_FIGURE_ROWS:
         log(f"[eval] num_latents {cfg.num_latents} > {MAX_FIGURE_ROWS}: latents.png shows the {MAX_FIGURE_ROWS} most used latents")
