@@ -1,4 +1,4 @@
-"""Fixtures shared by every test directory: the one tiny backbone builder.
+"""Shared by every test directory: the markers each directory gets, and the tiny backbone builders.
 
 A random tiny Llama, either in memory (``tiny_llama``) or saved with ``save_pretrained`` next to the
 word-level tokenizer, as ``ZCVAE.from_pretrained`` and the CLI read it (``tiny_backbone``). Tests ask
@@ -16,6 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
+
+TESTS = Path(__file__).resolve().parent
+# A test's directory decides its marker, so ``-m "not e2e"`` / ``-m "not distributed"`` deselect whole
+# directories and a new file there is marked without having to remember it (pyproject registers them).
+DIRECTORY_MARKERS = {"e2e": "e2e", "distributed": "distributed"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        try:
+            top = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        except ValueError:  # a test outside tests/ (a path given on the command line)
+            continue
+        if top in DIRECTORY_MARKERS:
+            item.add_marker(DIRECTORY_MARKERS[top])
 
 # The sizes most tests use: 2 layers, 32 wide, full multi-head attention (~0.1M parameters).
 TINY_SIZES = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=128)

@@ -29,7 +29,6 @@ from safetensors.torch import load_file
 import engine_harness as H
 from zcvae.engines import EngineConfig, build_engine
 
-pytestmark = pytest.mark.distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))

@@ -95,7 +95,6 @@ if __name__ == "__main__":
 else:
     import pytest
 
-    pytestmark = pytest.mark.distributed
 
     @pytest.fixture(scope="module")
     def launched(tmp_path_factory, tiny_backbone):

@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 
 from zcvae.export.export import export_run
 
-pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600  # a hang fails the test instead of stalling CI (the first DeepSpeed run compiles ~25 s)

@@ -27,7 +27,6 @@ import cli_harness as C  # noqa: E402
 from zcvae.runs.checkpoint import checkpoint_dirs  # noqa: E402
 from zcvae.templates import MARKERS  # noqa: E402
 
-pytestmark = pytest.mark.distributed
 
 LAUNCH_TIMEOUT_S = 420
 TOL = 1e-5

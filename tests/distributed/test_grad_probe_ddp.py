@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -21,7 +20,6 @@ if HERE not in sys.path:
 
 import cli_harness as C  # noqa: E402
 
-pytestmark = pytest.mark.distributed
 
 LAUNCH_TIMEOUT_S = 300
 TOL = 1e-5

@@ -73,7 +73,6 @@ if __name__ == "__main__":
 else:
     import pytest
 
-    pytestmark = pytest.mark.distributed
 
     def test_one_ranks_signal_or_nan_stops_every_rank_at_the_same_step(tmp_path):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",

@@ -174,7 +174,6 @@ else:
     import pytest
     from safetensors.torch import load_file
 
-    pytestmark = pytest.mark.distributed
 
     @pytest.fixture(scope="module")
     def launched(tmp_path_factory, tiny_backbone):

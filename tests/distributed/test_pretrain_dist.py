@@ -31,7 +31,6 @@ if HERE not in sys.path:  # cli_harness sits next to this file (tests/distribute
 
 import cli_harness as C  # noqa: E402
 
-pytestmark = pytest.mark.distributed
 
 LAUNCH_TIMEOUT_S = 420
 MAX_WORKERS = 4

@@ -44,7 +44,6 @@ if HERE not in sys.path:  # cli_harness sits next to this file (tests/distribute
 import cli_harness as C  # noqa: E402
 from zcvae.core.losses import RECONSTRUCTION_TERMS  # noqa: E402
 
-pytestmark = pytest.mark.distributed
 
 LAUNCH_TIMEOUT_S = 360  # per launch; a hang fails its tests instead of stalling CI
 PRETRAIN_TIMEOUT_S = 300
