@@ -20,21 +20,6 @@ C_BASE = {"value": 0.25, "mode": "mean", "fingerprint": "f00d", "source": "valid
 X = "3 1 4 1"
 
 
-def make_backbone(directory: Path) -> Path:
-    from transformers import LlamaForCausalLM
-
-    from zcvae.backbone.pretraining import tiny_llama_config
-    from zcvae.data.tokenizer import build_tokenizer
-
-    tok = build_tokenizer()
-    cfg = tiny_llama_config(len(tok), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return directory
-
-
 def encoded(model, x: str, y: str) -> EncodedExample:
     ids = lambda text: tuple(model.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     return EncodedExample("e", ids(x), ids(y))
@@ -54,8 +39,8 @@ def greedy_reference(model, x: str, k: int, max_new_tokens: int) -> str:
     return model.tokenizer.decode(out)
 
 
-def test_multi_slot_discrete_export_load_and_generate(tmp_path, capsys):
-    backbone = make_backbone(tmp_path / "backbone")
+def test_multi_slot_discrete_export_load_and_generate(tmp_path, capsys, tiny_backbone):
+    backbone = tiny_backbone()
     cfg = TrainConfig(backbone=str(backbone), num_latents=3, num_z_slots=2, lora_r=4, max_length=32, seed=0,
                       output_dir=str(tmp_path / "run"), run_name="tiny")
     assert cfg.slot_tokens == 2, "training and evaluation collate the discrete latent's M slots"
