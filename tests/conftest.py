@@ -1,6 +1,6 @@
 """Shared by every test directory: the markers each directory gets, and the tiny backbone builders
-(``tiny_llama``, ``tiny_backbone``, ``raw_tiny_backbone`` here; ``hf_backbone(arch)`` and
-``perturbed_model`` from tests/tiny_models.py, which the torchrun workers import too).
+(``tiny_llama``, ``tiny_backbone``, ``raw_tiny_backbone`` here; ``hf_backbone(arch)``, ``perturbed_model``
+and ``checkpointed_run`` from tests/tiny_models.py, which the torchrun workers import too).
 
 A random tiny Llama, either in memory (``tiny_llama``) or saved with ``save_pretrained`` next to the
 word-level tokenizer, as ``ZCVAE.from_pretrained`` and the CLI read it (``tiny_backbone``). Tests ask
@@ -22,6 +22,7 @@ import torch
 # tests/ is on sys.path: pytest's default (prepend) import mode puts each conftest's and test file's
 # directory there (no __init__.py anywhere under tests/), so test basenames must be unique.
 from tiny_models import HF_ARCHS, save_hf_backbone  # noqa: E402 - isort: skip
+from tiny_models import checkpointed_run as _checkpointed_run  # noqa: E402
 from tiny_models import perturbed_model as _perturbed_model  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -166,3 +167,11 @@ def perturbed_model() -> Callable[..., tuple]:
     LoRA B, the new token rows and the router moved off their initialisation, calibrated on a ragged batch
     with one example per (len(x), len(y)) in ``lengths``. A fresh model on each call."""
     return _perturbed_model
+
+
+@pytest.fixture(scope="session")
+def checkpointed_run() -> Callable[..., Path]:
+    """``checkpointed_run(model, batch, cfg, *, scale, step, c_base) -> run_dir`` (tests/tiny_models.py): every
+    trainable tensor moved by ``scale``, saved as ``cfg.output_dir`` with one complete checkpoint and
+    run_config.json, as the trainer leaves a run."""
+    return _checkpointed_run

@@ -7,10 +7,13 @@ workers of tests/distributed, which run outside pytest and import this file dire
 - ``perturbed_model(backbone, config, lengths=...)``: a ZCVAE on such a backbone with LoRA B, the new
   token rows and the router moved off their initialisation (LoRA B starts at 0, so an unperturbed model
   would hide any error in the adapter path), calibrated on a ragged batch of ordinary words.
+- ``checkpointed_run(model, batch, cfg, ...)``: every trainable tensor moved, saved as a run directory
+  with one complete checkpoint, as the trainer leaves it (for export, load and resume tests).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -75,3 +78,25 @@ def perturbed_model(backbone: str | Path, config, *, lengths: Iterable[tuple[int
                 p.add_((0.1 if "router" in name else 0.3) * torch.randn(p.shape, generator=g))
     model.calibrate(batch)  # after the change, so the standardised states are O(1)
     return model, batch
+
+
+def checkpointed_run(model, batch, cfg, *, scale: float, step: int, c_base: dict) -> Path:
+    """Calibrate the router on ``batch``, move every trainable tensor of ``model`` by ``scale`` * N(0, 1) (seed 1),
+    and save it as the run directory ``cfg.output_dir``: a complete checkpoint of ``step`` (local engine) and
+    run_config.json with ``c_base``. -> the run directory (it must not exist yet)."""
+    from zcvae.engines import EngineConfig, build_engine
+    from zcvae.runs.checkpoint import CheckpointManager
+
+    with torch.no_grad():
+        model(batch, mode="encode")  # calibrates the router's standardisation buffers
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            if p.requires_grad:  # move every trainable tensor off its initial value (LoRA B starts at 0)
+                p.add_(scale * torch.randn(p.shape, generator=gen))
+    engine = build_engine(EngineConfig(engine="local"), model=model,
+                          param_groups=model.param_groups(lora_lr=1e-3, latent_lr=1e-3, weight_decay=0.0), learning_rate=1e-3)
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir()
+    CheckpointManager(run_dir / "checkpoints", keep=1, is_main=True).save(engine, step=step, config=cfg, c_base=c_base)
+    (run_dir / "run_config.json").write_text(json.dumps({"config": cfg.to_dict(), "c_base": c_base}))
+    return run_dir

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-from zcvae.runs.checkpoint import CheckpointManager
 from zcvae.commands.cli import main as cli_main
 from zcvae.config import TrainConfig
-from zcvae.engines import EngineConfig, build_engine
 from zcvae.export.load import load_for_inference
 from zcvae.model.cvae import ZCVAE
 from zcvae.templates import EncodedExample, collate
@@ -33,7 +30,7 @@ def example(model, x: str, y: str) -> EncodedExample:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_backbone):
+def trained(tmp_path_factory, tiny_backbone, checkpointed_run):
     """(run_dir, model): a run directory with one complete checkpoint of ``model``."""
     root = tmp_path_factory.mktemp("export")
     backbone = tiny_backbone()
@@ -41,18 +38,7 @@ def trained(tmp_path_factory, tiny_backbone):
                       reconstruction_loss_token_aggregation_mode="sum", output_dir=str(root / "run"), run_name="tiny")
     model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.seed)
     batch = collate([example(model, "3 1 4", "fwd 3 1 4 ."), example(model, "2 7 1 8", Y), example(model, "5 5", "fwd 5 5 .")], model.tokens)
-    with torch.no_grad():
-        model(batch, mode="encode")  # calibrates the router's standardisation buffers
-        gen = torch.Generator().manual_seed(1)
-        for p in model.parameters():
-            if p.requires_grad:  # move every trainable tensor off its initial value (LoRA B starts at 0)
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    engine = build_engine(EngineConfig(engine="local"), model=model,
-                          param_groups=model.param_groups(lora_lr=1e-3, latent_lr=1e-3, weight_decay=0.0), learning_rate=1e-3)
-    run_dir = Path(cfg.output_dir)
-    run_dir.mkdir()
-    CheckpointManager(run_dir / "checkpoints", keep=1, is_main=True).save(engine, step=5, config=cfg, c_base=C_BASE)
-    (run_dir / "run_config.json").write_text(json.dumps({"config": cfg.to_dict(), "c_base": C_BASE}))
+    run_dir = checkpointed_run(model, batch, cfg, scale=0.05, step=5, c_base=C_BASE)
     (run_dir / "metrics.jsonl").write_text(
         json.dumps({"step": 5, "split": "train", "loss": 9.0}) + "\n" + json.dumps({"step": 5, "split": "eval", "nmi": 0.75, "kl": 0.5}) + "\n"
     )
