@@ -48,16 +48,6 @@ def run(cli, tiny_backbone, tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.fixture
-def copy_of(tmp_path):
-    def make(run_dir: Path) -> Path:
-        target = tmp_path / "copy"
-        shutil.copytree(run_dir, target)
-        return target
-
-    return make
-
-
 # --------------------------------------------------------------------------- 1. export over the run
 def test_01_export_over_the_run_or_backbone_is_refused(cli, run, tiny_backbone, tmp_path, capsys, env):
     before, backbone_before = tree_hashes(run), tree_hashes(tiny_backbone)

@@ -70,16 +70,6 @@ def run(tiny_backbone, tmp_path_factory, env):
     return run_dir, buffer.getvalue()
 
 
-@pytest.fixture
-def copy_of(tmp_path):
-    def make(run_dir: Path) -> Path:
-        target = tmp_path / "copy"
-        shutil.copytree(run_dir, target)
-        return target
-
-    return make
-
-
 def _python_zcvae(*args, env_extra=None, cwd=None) -> subprocess.Popen:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **ONE_THREAD, **(env_extra or {})}
     return subprocess.Popen([sys.executable, "-m", "zcvae", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
