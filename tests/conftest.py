@@ -1,4 +1,6 @@
-"""Fixtures shared by every test directory: the one tiny backbone builder.
+"""Shared by every test directory: the markers each directory gets, and the tiny backbone builders
+(``tiny_llama``, ``tiny_backbone``, ``raw_tiny_backbone`` here; ``hf_backbone(arch)``, ``perturbed_model``
+and ``checkpointed_run`` from tests/tiny_models.py, which the torchrun workers import too).
 
 A random tiny Llama, either in memory (``tiny_llama``) or saved with ``save_pretrained`` next to the
 word-level tokenizer, as ``ZCVAE.from_pretrained`` and the CLI read it (``tiny_backbone``). Tests ask
@@ -16,6 +18,27 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# tests/ is on sys.path: pytest's default (prepend) import mode puts each conftest's and test file's
+# directory there (no __init__.py anywhere under tests/), so test basenames must be unique.
+from tiny_models import HF_ARCHS, save_hf_backbone  # noqa: E402 - isort: skip
+from tiny_models import checkpointed_run as _checkpointed_run  # noqa: E402
+from tiny_models import perturbed_model as _perturbed_model  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+# A test's directory decides its marker, so ``-m "not e2e"`` / ``-m "not distributed"`` deselect whole
+# directories and a new file there is marked without having to remember it (pyproject registers them).
+DIRECTORY_MARKERS = {"e2e": "e2e", "distributed": "distributed"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        try:
+            top = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        except ValueError:  # a test outside tests/ (a path given on the command line)
+            continue
+        if top in DIRECTORY_MARKERS:
+            item.add_marker(DIRECTORY_MARKERS[top])
 
 # The sizes most tests use: 2 layers, 32 wide, full multi-head attention (~0.1M parameters).
 TINY_SIZES = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=128)
@@ -119,3 +142,36 @@ def raw_tiny_backbone(tmp_path_factory) -> Callable[..., Path]:
         return built[(tied, seed)]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hf_backbone(tmp_path_factory) -> Callable[..., str]:
+    """Factory ``hf_backbone(arch, *, seed=0) -> str``: a saved random tiny backbone of ``arch`` ("llama"
+    with grouped-query attention, or "gpt2" with a tied head; tests/tiny_models.py) and the word-level
+    tokenizer. Built once per (arch, seed) and shared for the session: do not write into it."""
+    built: dict[tuple[str, int], str] = {}
+
+    def make(arch: str, *, seed: int = 0) -> str:
+        if arch not in HF_ARCHS:
+            raise ValueError(f"unknown arch {arch!r}; expected one of {HF_ARCHS}")
+        if (arch, seed) not in built:
+            built[(arch, seed)] = str(save_hf_backbone(arch, tmp_path_factory.mktemp(arch), seed=seed))
+        return built[(arch, seed)]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def perturbed_model() -> Callable[..., tuple]:
+    """``perturbed_model(backbone, model_config, *, lengths, seed=0) -> (ZCVAE, batch)`` (tests/tiny_models.py):
+    LoRA B, the new token rows and the router moved off their initialisation, calibrated on a ragged batch
+    with one example per (len(x), len(y)) in ``lengths``. A fresh model on each call."""
+    return _perturbed_model
+
+
+@pytest.fixture(scope="session")
+def checkpointed_run() -> Callable[..., Path]:
+    """``checkpointed_run(model, batch, cfg, *, scale, step, c_base) -> run_dir`` (tests/tiny_models.py): every
+    trainable tensor moved by ``scale``, saved as ``cfg.output_dir`` with one complete checkpoint and
+    run_config.json, as the trainer leaves a run."""
+    return _checkpointed_run

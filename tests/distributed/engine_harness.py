@@ -181,9 +181,3 @@ def run_steps(
         if on_step is not None:
             on_step(step)
     return record
-
-
-def force_cpu_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"})
-    return env

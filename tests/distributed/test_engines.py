@@ -19,20 +19,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import engine_harness as H
+import launcher as C
 from zcvae.engines import EngineConfig, build_engine
 
-pytestmark = pytest.mark.distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 LAUNCH_TIMEOUT_S = 420  # a hang fails the test instead of stalling CI (first DeepSpeed run compiles ~25 s)
 ATOL = 1e-5
 
@@ -66,31 +65,22 @@ def baseline(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     return runs
 
 
-def _launch(cmd: list[str], out: str, env: dict[str, str]) -> subprocess.Popen:
-    log = open(os.path.join(out, "worker.log"), "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> dict[int, str]:
     """Output directories by world size: the two-rank torchrun launch with every scenario, and, at the
-    same time, one plain process (no launcher, no group yet) running ZeRO-3 and FSDP2 at world 1."""
+    same time, one plain process (no launcher, no group yet) running ZeRO-3 and FSDP2 at world 1.
+    Their output: ``world2.0.log`` and ``world1.0.log``, each in its directory."""
     outs = {2: str(tmp_path_factory.mktemp("engines_world2")), 1: str(tmp_path_factory.mktemp("engines_world1"))}
-    env = H.force_cpu_env()
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "src"), HERE, env.get("PYTHONPATH", "")])
     worker = os.path.join(HERE, "engine_worker.py")
-    two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker, "--out", outs[2]]
-    one = [sys.executable, worker, "--out", outs[1], "--only", *WORLD1_SCENARIOS]
-    env_one = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    procs = [_launch(two, outs[2], env), _launch(one, outs[1], env_one)]
-    try:
-        for proc in procs:
-            proc.wait(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        with open(os.path.join(outs[2], "worker.log")) as f:
-            pytest.fail(f"engine worker hung (> {LAUNCH_TIMEOUT_S} s):\n{f.read()[-6000:]}")
+    cmds = {2: C.worker_cmd(worker, "--out", outs[2]), 1: [sys.executable, worker, "--out", outs[1], "--only", *WORLD1_SCENARIOS]}
+    pool = C.LaunchPool(max_workers=3)  # independent: a failure of one does not end the other
+    for world, cmd in cmds.items():
+        pool.submit(C.Launch(name=f"world{world}", cmds=[cmd], num_workers=world, log_dir=Path(outs[world]),
+                             env=C.cpu_env(), timeout_s=LAUNCH_TIMEOUT_S))
+    pool.start()
+    hung = [launch.failure() for launch in (pool.wait(f"world{world}") for world in cmds) if launch.timed_out]
+    if hung:
+        pytest.fail("engine worker hung\n" + "\n".join(hung))
     return outs
 
 
@@ -106,7 +96,7 @@ def _load(results: str, name: str) -> tuple[dict, dict]:
             pytest.fail(f"{name} failed in the worker:\n{f.read()}")
     path = os.path.join(results, f"{name}.json")
     if not os.path.exists(path):
-        with open(os.path.join(results, "worker.log")) as f:
+        with open(os.path.join(results, "world2.0.log")) as f:
             pytest.fail(f"{name}: no result; worker log tail:\n{f.read()[-6000:]}")
     with open(path) as f:
         record = json.load(f)

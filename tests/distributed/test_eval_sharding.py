@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 
 import torch
@@ -93,41 +92,34 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.join(REPO, "src"))
     _worker(sys.argv[1:])
 else:
+    import launcher as C
     import pytest
-
-    pytestmark = pytest.mark.distributed
 
     @pytest.fixture(scope="module")
     def launched(tmp_path_factory, tiny_backbone):
         backbone = str(tiny_backbone(hidden_size=16, intermediate_size=32))
         out = str(tmp_path_factory.mktemp("eval_sharding"))
-        env = dict(os.environ)
-        env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"})
-        env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "src"), env.get("PYTHONPATH", "")])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", os.path.abspath(__file__),
-               "--backbone", backbone, "--out", out]
-        try:
-            proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired as e:
-            pytest.fail(f"evaluation worker hung (> {LAUNCH_TIMEOUT_S} s): ranks ran different forwards?\n"
-                        f"{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
+        launch = C.run_launch("worker", C.worker_cmd(__file__, "--backbone", backbone, "--out", out), log_dir=out,
+                              env=C.cpu_env(), timeout_s=LAUNCH_TIMEOUT_S)
+        if launch.timed_out:
+            pytest.fail(f"evaluation worker hung: ranks ran different forwards?\n{launch.failure()}")
         before = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             single = run_evaluation(backbone, "local", None)
         finally:
             torch.set_num_threads(before)
-        return out, single, proc
+        return out, single, launch
 
     @pytest.mark.parametrize("engine_name", ENGINES)
     def test_two_process_evaluation_equals_one_process(launched, engine_name):
-        out, single, proc = launched
+        out, single, launch = launched
         errors = [f for f in os.listdir(out) if f.startswith(engine_name) and f.endswith(".error")]
         ranks = []
         for r in range(2):
             path = os.path.join(out, f"{engine_name}.rank{r}.json")
             if not os.path.exists(path):
-                pytest.fail(f"{engine_name}: rank {r} wrote no metrics; errors {errors}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+                pytest.fail(f"{engine_name}: rank {r} wrote no metrics; errors {errors}\n{launch.tail()}")
             with open(path) as f:
                 ranks.append(json.load(f))
         assert ranks[0] == ranks[1], "ranks disagree"

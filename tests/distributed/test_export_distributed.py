@@ -10,20 +10,16 @@ tensor (a bug reported elsewhere), or misses a trainable tensor on a sharded eng
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import launcher as C
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from zcvae.export.export import export_run
 
-pytestmark = pytest.mark.distributed
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600  # a hang fails the test instead of stalling CI (the first DeepSpeed run compiles ~25 s)
 ATOL = 1e-5
 TRAIN = ["--task", "copy", "--max-steps", "3", "--micro-batch-size", "4", "--num-train-examples", "48",
@@ -35,19 +31,10 @@ SCENARIOS = {
 }
 
 
-def _env(tmp: Path) -> dict[str, str]:
-    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-            "TOKENIZERS_PARALLELISM": "false", "ZCVAE_CACHE": str(tmp / ".cache"),
-            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-
-
-def _run(cmd: list[str], tmp: Path) -> None:
-    try:
-        proc = subprocess.run(cmd, env=_env(tmp), cwd=tmp, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd[:6])} ... hung (> {TIMEOUT_S} s):\n{str(e.stdout or '')[-3000:]}\n{str(e.stderr or '')[-3000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
+def _run(name: str, cmd: list[str], tmp: Path) -> None:
+    launch = C.run_launch(name, cmd, log_dir=tmp, env=C.cpu_env(tmp / ".cache"), timeout_s=TIMEOUT_S)
+    if not launch.ok:
+        pytest.fail(launch.failure())
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +50,15 @@ def backbone(tiny_backbone) -> Path:
 @pytest.fixture(scope="module")
 def reference_export(workdir, backbone) -> Path:
     run_dir = workdir / "single"
-    _run([sys.executable, "-m", "zcvae", "train", "--backbone", str(backbone), "--output-dir", str(run_dir),
-          *TRAIN, "--gradient-accumulation-steps", "2"], workdir)
+    _run("single", C.zcvae_cmd("train", "--backbone", backbone, "--output-dir", run_dir, *TRAIN,
+                               "--gradient-accumulation-steps", "2"), workdir)
     return export_run(run_dir, out=workdir / "export-single")
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_two_rank_export_equals_single_process_export(workdir, backbone, reference_export, scenario):
     run_dir = workdir / f"run-{scenario}"  # not ./zero3: a path named like a built-in DeepSpeed config wins over it
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "zcvae", "train",
-          "--backbone", str(backbone), "--output-dir", str(run_dir), *TRAIN, *SCENARIOS[scenario]], workdir)
+    _run(scenario, C.torchrun_cmd("train", "--backbone", backbone, "--output-dir", run_dir, *TRAIN, *SCENARIOS[scenario]), workdir)
     exported = export_run(run_dir, out=workdir / f"export-{scenario}")
     for name in ("adapter_model.safetensors", "latent_heads.safetensors"):
         got, want = load_file(str(exported / name)), load_file(str(reference_export / name))

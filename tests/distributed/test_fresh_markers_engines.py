@@ -20,14 +20,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # cli_harness sits next to this file (tests/distributed has no __init__.py)
+if HERE not in sys.path:  # launcher sits next to this file (tests/distributed has no __init__.py)
     sys.path.insert(0, HERE)
 
-import cli_harness as C  # noqa: E402
+import launcher as C  # noqa: E402
 from zcvae.runs.checkpoint import checkpoint_dirs  # noqa: E402
 from zcvae.templates import MARKERS  # noqa: E402
 
-pytestmark = pytest.mark.distributed
 
 LAUNCH_TIMEOUT_S = 420
 TOL = 1e-5

@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-import cli_harness as C  # noqa: E402
+import launcher as C  # noqa: E402
 
-pytestmark = pytest.mark.distributed
 
 LAUNCH_TIMEOUT_S = 300
 TOL = 1e-5
@@ -41,8 +38,8 @@ def test_two_ranks_log_the_probe_of_one_process(tiny_backbone, tmp_path):
     runs = {"w1": C.zcvae_cmd(*common, "--gradient-accumulation-steps", "2", "--output-dir", tmp_path / "w1"),
             "w2": C.torchrun_cmd(*common, "--gradient-accumulation-steps", "1", "--output-dir", tmp_path / "w2")}
     for name, cmd in runs.items():
-        done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-        assert done.returncode == 0, f"{name} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        launch = C.run_launch(name, cmd, log_dir=tmp_path, env=env, timeout_s=LAUNCH_TIMEOUT_S)
+        assert launch.ok, launch.failure()
     want, got = _probe_records(tmp_path / "w1"), _probe_records(tmp_path / "w2")
     assert [r["step"] for r in want] == [1, 2, 3] and [r["step"] for r in got] == [1, 2, 3]
     for g, w in zip(got, want):

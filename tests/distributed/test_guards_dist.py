@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import torch
@@ -71,17 +70,11 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.join(REPO, "src"))
     _worker(sys.argv[1])
 else:
-    import pytest
-
-    pytestmark = pytest.mark.distributed
+    import launcher as C
 
     def test_one_ranks_signal_or_nan_stops_every_rank_at_the_same_step(tmp_path):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-               "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.abspath(__file__), str(tmp_path)]
-        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        launch = C.run_launch("worker", C.worker_cmd(__file__, tmp_path), log_dir=tmp_path, env=C.cpu_env(), timeout_s=300)
+        assert launch.ok, launch.failure()
         for scenario in ("signal", "diverge"):
             ranks = [json.loads((tmp_path / f"{scenario}.rank{r}.json").read_text()) for r in range(2)]
             assert ranks[0] == ranks[1], scenario

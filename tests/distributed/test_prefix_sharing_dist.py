@@ -30,7 +30,6 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -61,32 +60,12 @@ def model_config(latent: str, mode: str):
     return ModelConfig(latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=2, **common)
 
 
-def global_batch(model):
-    from zcvae.data import build_tokenizer
-    from zcvae.templates import EncodedExample, collate
-
-    g = torch.Generator().manual_seed(0)
-    lo, hi = 11, len(build_tokenizer())  # ordinary words only
-    examples = [
-        EncodedExample(f"e{i}", tuple(torch.randint(lo, hi, (nx,), generator=g).tolist()), tuple(torch.randint(lo, hi, (ny,), generator=g).tolist()))
-        for i, (nx, ny) in enumerate(zip(X_LENGTHS, Y_LENGTHS))
-    ]
-    return collate(examples, model.tokens, num_z_slots=model.config.num_z_slots)
-
-
 def build_model(backbone: str, latent: str, mode: str):
-    """The same model on every rank: LoRA B and the z rows moved off their initialisation, then calibrated."""
-    from zcvae.model.cvae import ZCVAE
+    """The same model on every rank: LoRA B and the z rows moved off their initialisation, then calibrated
+    on the global batch (tests/tiny_models.py)."""
+    from tiny_models import perturbed_model
 
-    model = ZCVAE.from_pretrained(backbone, model_config(latent, mode), seed=0)
-    batch = global_batch(model)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.requires_grad and ("lora_B" in name or "trainable_tokens_delta" in name or "router" in name):
-                p.add_((0.1 if "router" in name else 0.3) * torch.randn(p.shape, generator=g))
-    model.calibrate(batch)
-    return model, batch
+    return perturbed_model(backbone, model_config(latent, mode), lengths=zip(X_LENGTHS, Y_LENGTHS))
 
 
 def per_example_loss(out) -> torch.Tensor:
@@ -168,35 +147,29 @@ def _worker(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(REPO, "src"))
+    sys.path[:0] = [os.path.join(REPO, "src"), os.path.join(REPO, "tests")]
     _worker(sys.argv[1:])
 else:
+    import launcher as C
     import pytest
     from safetensors.torch import load_file
-
-    pytestmark = pytest.mark.distributed
 
     @pytest.fixture(scope="module")
     def launched(tmp_path_factory, tiny_backbone):
         backbone = str(tiny_backbone(num_heads=4))
         out = str(tmp_path_factory.mktemp("prefix_sharing"))
-        env = dict(os.environ)
-        env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"})
-        env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "src"), env.get("PYTHONPATH", "")])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", os.path.abspath(__file__),
-               "--backbone", backbone, "--out", out]
-        try:
-            proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired as e:
-            pytest.fail(f"prefix-sharing worker hung (> {LAUNCH_TIMEOUT_S} s)\n{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
-        return out, proc
+        launch = C.run_launch("worker", C.worker_cmd(__file__, "--backbone", backbone, "--out", out), log_dir=out,
+                              env=C.cpu_env(), timeout_s=LAUNCH_TIMEOUT_S)
+        if launch.timed_out:
+            pytest.fail(f"prefix-sharing worker hung\n{launch.failure()}")
+        return out, launch
 
     def _load(launched, name: str) -> tuple[dict, dict]:
-        out, proc = launched
+        out, launch = launched
         path = os.path.join(out, f"{name}.json")
         if not os.path.exists(path):
             errors = {f: open(os.path.join(out, f)).read() for f in os.listdir(out) if f.startswith(name) and f.endswith(".error")}
-            pytest.fail(f"{name}: no result; errors {errors}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+            pytest.fail(f"{name}: no result; errors {errors}\n{launch.tail()}")
         with open(path) as f:
             return json.load(f), load_file(os.path.join(out, f"{name}.safetensors"))
 

@@ -26,12 +26,11 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # cli_harness sits next to this file (tests/distributed has no __init__.py)
+if HERE not in sys.path:  # launcher sits next to this file (tests/distributed has no __init__.py)
     sys.path.insert(0, HERE)
 
-import cli_harness as C  # noqa: E402
+import launcher as C  # noqa: E402
 
-pytestmark = pytest.mark.distributed
 
 LAUNCH_TIMEOUT_S = 420
 MAX_WORKERS = 4

@@ -1,6 +1,8 @@
-"""Shared fixtures of the end-to-end tests: a tiny backbone pretrained through the real CLI, once."""
+"""Shared fixtures of the end-to-end tests: a tiny backbone pretrained through the real CLI, once; the CLI
+in a fresh process; a copy of a run directory."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +47,15 @@ def env(tmp_path_factory):
         os.environ.pop("ZCVAE_CACHE", None)
     else:
         os.environ["ZCVAE_CACHE"] = old
+
+
+@pytest.fixture
+def copy_of(tmp_path):
+    """``copy_of(run_dir) -> Path``: a copy of a (shared, module-scoped) run directory that a test may change."""
+
+    def make(run_dir: Path) -> Path:
+        target = tmp_path / "copy"
+        shutil.copytree(run_dir, target)
+        return target
+
+    return make

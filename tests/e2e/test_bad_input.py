@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zcvae.commands.cli import main as cli_main
+from cli_in_process import zcvae
 
 TRAIN = ["--task", "copy", "--num-train-examples", "32", "--num-val-examples", "8", "--num-eval-decode-examples", "2",
          "--micro-batch-size", "4", "--max-steps", "6", "--save-every", "3", "--keep-last-checkpoints", "3",
@@ -30,17 +30,6 @@ TRAIN = ["--task", "copy", "--num-train-examples", "32", "--num-val-examples", "
 def tree_hashes(root: Path) -> dict[str, str]:
     """{relative path: sha256} of every file under ``root``."""
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def zcvae(capsys, *args) -> tuple[int, str]:
-    """(exit code, stdout + stderr) of ``zcvae ARGS`` run in this process."""
-    capsys.readouterr()
-    try:
-        rc = cli_main([str(a) for a in args])
-    except SystemExit as exit_:  # argparse
-        rc = exit_.code
-    captured = capsys.readouterr()
-    return rc, captured.out + captured.err
 
 
 def refused(rc: int, out: str, *words: str) -> None:
@@ -57,16 +46,6 @@ def run(cli, tiny_backbone, tmp_path_factory) -> Path:
     cli("train", "--backbone", tiny_backbone, "--output-dir", run_dir, *TRAIN, cwd=run_dir.parent)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
     return run_dir
-
-
-@pytest.fixture
-def copy_of(tmp_path):
-    def make(run_dir: Path) -> Path:
-        target = tmp_path / "copy"
-        shutil.copytree(run_dir, target)
-        return target
-
-    return make
 
 
 # --------------------------------------------------------------------------- 1. export over the run

@@ -26,23 +26,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from cli_in_process import zcvae
+
 from zcvae.commands.cli import main as cli_main
 
 TRAIN = ["--task", "copy", "--num-train-examples", "32", "--num-val-examples", "4", "--num-eval-decode-examples", "2",
          "--micro-batch-size", "4", "--max-steps", "4", "--log-every", "3", "--warmup-steps", "1", "--no-progress-bar"]
 # one BLAS/OpenMP thread: bitwise comparisons across processes (see test_resume.py)
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE"}
-
-
-def zcvae(capsys, *args) -> tuple[int, str]:
-    """(exit code, stdout + stderr) of ``zcvae ARGS`` run in this process."""
-    capsys.readouterr()
-    try:
-        rc = cli_main([str(a) for a in args])
-    except SystemExit as exit_:  # argparse
-        rc = exit_.code
-    captured = capsys.readouterr()
-    return rc, captured.out + captured.err
 
 
 def ends_with_one_line(rc: int, out: str, code: int, *words: str) -> str:
@@ -77,16 +68,6 @@ def run(tiny_backbone, tmp_path_factory, env):
     assert rc == 0, buffer.getvalue()[-3000:]
     assert steps_of(run_dir) == ["step_00000002", "step_00000004"]
     return run_dir, buffer.getvalue()
-
-
-@pytest.fixture
-def copy_of(tmp_path):
-    def make(run_dir: Path) -> Path:
-        target = tmp_path / "copy"
-        shutil.copytree(run_dir, target)
-        return target
-
-    return make
 
 
 def _python_zcvae(*args, env_extra=None, cwd=None) -> subprocess.Popen:

@@ -16,7 +16,6 @@ import pytest
 
 from zcvae.templates import MARKERS
 
-pytestmark = pytest.mark.e2e
 
 FLAGS = ["--task", "copy", "--max-steps", "3", "--num-train-examples", "64", "--num-val-examples", "8",
          "--micro-batch-size", "4", "--num-eval-decode-examples", "4", "--log-every", "1", "--no-progress-bar"]

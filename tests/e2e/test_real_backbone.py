@@ -27,7 +27,6 @@ from zcvae.templates import MARKERS
 
 GGUF = packaged_smollm2()
 pytestmark = [
-    pytest.mark.e2e,
     pytest.mark.real_backbone,
     pytest.mark.skipif(
         GGUF is None,

@@ -24,24 +24,9 @@ from zcvae.templates import EncodedExample, collate
 C_BASE = {"value": 0.5, "mode": "mean", "fingerprint": "abc123", "source": "validation"}
 
 
-def make_backbone(directory: Path) -> Path:
-    from transformers import LlamaForCausalLM
-
-    from zcvae.backbone.pretraining import tiny_llama_config
-    from zcvae.data.tokenizer import build_tokenizer
-
-    tok = build_tokenizer()
-    cfg = tiny_llama_config(len(tok), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return directory
-
-
 @pytest.fixture(scope="module")
-def backbone(tmp_path_factory) -> Path:
-    return make_backbone(tmp_path_factory.mktemp("backbone"))
+def backbone(tiny_backbone) -> Path:
+    return tiny_backbone()
 
 
 def make_batch(model: ZCVAE, seed: int):

@@ -9,13 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import zcvae.model.cvae as model_module
 from zcvae.data import build_tokenizer
 from zcvae.core.losses import IGNORE_INDEX, gather_span, supervised_token_nll, token_nll
-from zcvae.model.cvae import ZCVAE, ModelConfig
-from zcvae.templates import EncodedExample, collate
+from zcvae.model.cvae import ModelConfig
 
 ATOL = 1e-5
 B, T, H, V = 4, 11, 8, 37
@@ -94,38 +92,10 @@ def test_bad_chunk_size():
 # ---------------------------------------------------------------------------------- in the model
 
 
-@pytest.fixture(scope="module")
-def backbones(tmp_path_factory):
-    tok = build_tokenizer()
-    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    models = {
-        "llama": LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                              num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, **ids)),
-        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=64, **ids)),
-    }
-    out = {}
-    for name, m in models.items():
-        path = tmp_path_factory.mktemp(name)
-        m.save_pretrained(path)
-        tok.save_pretrained(path)
-        out[name] = str(path)
-    return out
-
-
-def build(path: str, **cfg):
-    model = ZCVAE.from_pretrained(path, ModelConfig(**cfg), seed=0)
-    g = torch.Generator().manual_seed(0)
-    lo, hi = 11, len(build_tokenizer())
-    examples = [EncodedExample(f"e{i}", tuple(torch.randint(lo, hi, (nx,), generator=g).tolist()), tuple(torch.randint(lo, hi, (ny,), generator=g).tolist()))
-                for i, (nx, ny) in enumerate([(1, 6), (7, 2), (3, 9), (5, 1)])]
-    batch = collate(examples, model.tokens, num_z_slots=model.config.num_z_slots)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.requires_grad and ("lora_B" in name or "trainable_tokens_delta" in name or "router" in name):
-                p.add_((0.1 if "router" in name else 0.3) * torch.randn(p.shape, generator=g))
-    model.calibrate(batch)
-    return model, batch
+@pytest.fixture
+def build(hf_backbone, perturbed_model):
+    """``build(arch, **model_config) -> (model, batch)``: a perturbed model on four ragged examples."""
+    return lambda arch, **cfg: perturbed_model(hf_backbone(arch), ModelConfig(**cfg), lengths=[(1, 6), (7, 2), (3, 9), (5, 1)])
 
 
 def run(model, batch, *, decoder: bool, **kw):
@@ -142,10 +112,10 @@ def run(model, batch, *, decoder: bool, **kw):
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("share", [False, True])
 @pytest.mark.parametrize("latent", ["discrete", "continuous"])
-def test_model_supervised_logits_equal_full_logits(backbones, arch, share, latent, monkeypatch):
+def test_model_supervised_logits_equal_full_logits(build, arch, share, latent, monkeypatch):
     monkeypatch.setattr(model_module, "LOGIT_CHUNK_ELEMENTS", 5 * len(build_tokenizer()) + 60)  # chunks of ~5 tokens
     cfg = dict(num_latents=3) if latent == "discrete" else dict(latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=2)
-    model, batch = build(backbones[arch], share_x_prefix=share, **cfg)
+    model, batch = build(arch, share_x_prefix=share, **cfg)
     assert model._decoder() is not None, "the check must accept a plain Llama / GPT-2 head"
     kw = {"latent_noise": torch.randn(len(batch), 2, 4, generator=torch.Generator().manual_seed(2))} if latent == "continuous" else {}
     full, g_full, ref_full = run(model, batch, decoder=False, **kw)
@@ -159,8 +129,8 @@ def test_model_supervised_logits_equal_full_logits(backbones, arch, share, laten
         torch.testing.assert_close(g_mine[name], g, atol=ATOL, rtol=ATOL, msg=name)
 
 
-def test_capped_logits_keep_the_full_path(backbones):
-    model, batch = build(backbones["llama"], num_latents=2)
+def test_capped_logits_keep_the_full_path(build):
+    model, batch = build("llama", num_latents=2)
     assert model._decoder() is not None
     model.__dict__.pop("_decoder_ok")
     model.peft_model.get_base_model().config.final_logit_softcapping = 30.0

@@ -9,7 +9,7 @@ import yaml
 
 from zcvae.commands.sweep import load_family, local_plan, stage_status, validate_family
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def family(**pretrain) -> dict:

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-from zcvae.runs.checkpoint import CheckpointManager
 from zcvae.commands.cli import main as cli_main
 from zcvae.config import TrainConfig
-from zcvae.engines import EngineConfig, build_engine
 from zcvae.export.load import load_for_inference
 from zcvae.model.cvae import ZCVAE
 from zcvae.templates import EncodedExample, collate
@@ -27,47 +24,21 @@ C_BASE = {"value": 0.25, "mode": "sum", "fingerprint": "f00d", "source": "valida
 X, Y = "3 1 4 1", "rev 1 4 1 3 = 3 1 4 1 ."
 
 
-def make_backbone(directory: Path, *, hidden_size: int = 32) -> Path:
-    from transformers import LlamaForCausalLM
-
-    from zcvae.backbone.pretraining import tiny_llama_config
-    from zcvae.data.tokenizer import build_tokenizer
-
-    tok = build_tokenizer()
-    cfg = tiny_llama_config(len(tok), hidden_size=hidden_size, num_layers=2, num_heads=2, intermediate_size=64,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return directory
-
-
 def example(model, x: str, y: str) -> EncodedExample:
     ids = lambda text: tuple(model.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     return EncodedExample("e", ids(x), ids(y))
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, tiny_backbone, checkpointed_run):
     """(run_dir, model): a run directory with one complete checkpoint of ``model``."""
     root = tmp_path_factory.mktemp("export")
-    backbone = make_backbone(root / "backbone")
+    backbone = tiny_backbone()
     cfg = TrainConfig(backbone=str(backbone), num_latents=3, lora_r=4, max_length=32, seed=0,
                       reconstruction_loss_token_aggregation_mode="sum", output_dir=str(root / "run"), run_name="tiny")
     model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.seed)
     batch = collate([example(model, "3 1 4", "fwd 3 1 4 ."), example(model, "2 7 1 8", Y), example(model, "5 5", "fwd 5 5 .")], model.tokens)
-    with torch.no_grad():
-        model(batch, mode="encode")  # calibrates the router's standardisation buffers
-        gen = torch.Generator().manual_seed(1)
-        for p in model.parameters():
-            if p.requires_grad:  # move every trainable tensor off its initial value (LoRA B starts at 0)
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    engine = build_engine(EngineConfig(engine="local"), model=model,
-                          param_groups=model.param_groups(lora_lr=1e-3, latent_lr=1e-3, weight_decay=0.0), learning_rate=1e-3)
-    run_dir = Path(cfg.output_dir)
-    run_dir.mkdir()
-    CheckpointManager(run_dir / "checkpoints", keep=1, is_main=True).save(engine, step=5, config=cfg, c_base=C_BASE)
-    (run_dir / "run_config.json").write_text(json.dumps({"config": cfg.to_dict(), "c_base": C_BASE}))
+    run_dir = checkpointed_run(model, batch, cfg, scale=0.05, step=5, c_base=C_BASE)
     (run_dir / "metrics.jsonl").write_text(
         json.dumps({"step": 5, "split": "train", "loss": 9.0}) + "\n" + json.dumps({"step": 5, "split": "eval", "nmi": 0.75, "kl": 0.5}) + "\n"
     )
@@ -199,9 +170,9 @@ def test_export_refuses_a_non_empty_out_and_overwrites_on_request(trained, tmp_p
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.old"))
 
 
-def test_another_backbone_is_refused_naming_the_file(trained, exported, tmp_path):
+def test_another_backbone_is_refused_naming_the_file(trained, exported, tiny_backbone):
     run_dir, _ = trained
-    other = make_backbone(tmp_path / "other", hidden_size=16)
+    other = tiny_backbone(hidden_size=16)
     with pytest.raises(ValueError, match=r"zcvae_export\.json.*another backbone.*config\.json.*hidden_size: 32 vs 16"):
         load_for_inference(exported, backbone=str(other))
     with pytest.raises(ValueError, match=r"trainable\.safetensors.*shape"):

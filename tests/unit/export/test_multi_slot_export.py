@@ -4,35 +4,17 @@ and `zcvae generate` decodes with the model's own slot layout (``<z> z_k^1 z_k^2
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 
-from zcvae.runs.checkpoint import CheckpointManager
 from zcvae.commands.cli import main as cli_main
 from zcvae.config import TrainConfig
-from zcvae.engines import EngineConfig, build_engine
 from zcvae.export.load import load_for_inference
 from zcvae.model.cvae import ZCVAE
 from zcvae.templates import EncodedExample, collate
 
 C_BASE = {"value": 0.25, "mode": "mean", "fingerprint": "f00d", "source": "validation"}
 X = "3 1 4 1"
-
-
-def make_backbone(directory: Path) -> Path:
-    from transformers import LlamaForCausalLM
-
-    from zcvae.backbone.pretraining import tiny_llama_config
-    from zcvae.data.tokenizer import build_tokenizer
-
-    tok = build_tokenizer()
-    cfg = tiny_llama_config(len(tok), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return directory
 
 
 def encoded(model, x: str, y: str) -> EncodedExample:
@@ -54,25 +36,14 @@ def greedy_reference(model, x: str, k: int, max_new_tokens: int) -> str:
     return model.tokenizer.decode(out)
 
 
-def test_multi_slot_discrete_export_load_and_generate(tmp_path, capsys):
-    backbone = make_backbone(tmp_path / "backbone")
+def test_multi_slot_discrete_export_load_and_generate(tmp_path, capsys, tiny_backbone, checkpointed_run):
+    backbone = tiny_backbone()
     cfg = TrainConfig(backbone=str(backbone), num_latents=3, num_z_slots=2, lora_r=4, max_length=32, seed=0,
                       output_dir=str(tmp_path / "run"), run_name="tiny")
     assert cfg.slot_tokens == 2, "training and evaluation collate the discrete latent's M slots"
     model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.seed)
     batch = collate([encoded(model, "3 1 4", "fwd 3 1 4 ."), encoded(model, "2 7", "rev 7 2 .")], model.tokens, num_z_slots=2)
-    with torch.no_grad():
-        model(batch, mode="encode")  # calibrates the router
-        gen = torch.Generator().manual_seed(1)
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    engine = build_engine(EngineConfig(engine="local"), model=model,
-                          param_groups=model.param_groups(lora_lr=1e-3, latent_lr=1e-3, weight_decay=0.0), learning_rate=1e-3)
-    run_dir = Path(cfg.output_dir)
-    run_dir.mkdir()
-    CheckpointManager(run_dir / "checkpoints", keep=1, is_main=True).save(engine, step=1, config=cfg, c_base=C_BASE)
-    (run_dir / "run_config.json").write_text(json.dumps({"config": cfg.to_dict(), "c_base": C_BASE}))
+    run_dir = checkpointed_run(model, batch, cfg, scale=0.3, step=1, c_base=C_BASE)
     out = tmp_path / "export"
     assert cli_main(["export", str(run_dir), "--out", str(out)]) == 0
     meta = json.loads((out / "zcvae_export.json").read_text())

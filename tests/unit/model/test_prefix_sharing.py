@@ -16,59 +16,18 @@ import warnings
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from zcvae.data import build_tokenizer
 from zcvae.model.cvae import ZCVAE, ModelConfig
-from zcvae.templates import EncodedExample, collate
 
 ATOL = 1e-5
 X_LENGTHS = (1, 7, 3, 11, 5)  # ragged x: the prefix is right-padded with holes of 0..10 columns
 Y_LENGTHS = (6, 2, 9, 4, 1)  # ragged y, uncorrelated with x
 
 
-@pytest.fixture(scope="module")
-def backbones(tmp_path_factory):
-    tok = build_tokenizer()
-    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    models = {
-        # 2 kv heads for 4 query heads: the cache holds grouped keys, as in real Llama checkpoints
-        "llama": LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                              num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, **ids)),
-        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=64, **ids)),
-    }
-    out = {}
-    for name, model in models.items():
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        tok.save_pretrained(path)
-        out[name] = str(path)
-    return out
-
-
-def ragged_batch(model: ZCVAE, *, seed: int = 0):
-    """Examples with the X_LENGTHS / Y_LENGTHS above and random ordinary-word ids."""
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = 11, len(build_tokenizer())  # ids below 11 are the specials and template markers
-    examples = [
-        EncodedExample(f"e{i}", tuple(torch.randint(lo, hi, (nx,), generator=g).tolist()), tuple(torch.randint(lo, hi, (ny,), generator=g).tolist()))
-        for i, (nx, ny) in enumerate(zip(X_LENGTHS, Y_LENGTHS))
-    ]
-    return collate(examples, model.tokens, num_z_slots=model.config.num_z_slots)
-
-
-def build(backbones, arch: str, **cfg) -> tuple[ZCVAE, object]:
-    model = ZCVAE.from_pretrained(backbones[arch], ModelConfig(**cfg), seed=0)
-    batch = ragged_batch(model)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.requires_grad and ("lora_B" in name or "trainable_tokens_delta" in name or "router" in name):
-                # heads read standardised states of norm ~sqrt(H): keep the logits, mu and logvar O(1)
-                p.add_((0.1 if "router" in name else 0.3) * torch.randn(p.shape, generator=g))
-    model.calibrate(batch)  # after the LoRA change, so the standardised states are O(1)
-    return model, batch
+@pytest.fixture
+def build(hf_backbone, perturbed_model):
+    """``build(arch, **model_config) -> (model, batch)``: a perturbed model on the ragged batch above."""
+    return lambda arch, **cfg: perturbed_model(hf_backbone(arch), ModelConfig(**cfg), lengths=zip(X_LENGTHS, Y_LENGTHS))
 
 
 def loss_of(out) -> torch.Tensor:
@@ -120,46 +79,46 @@ def assert_same(model: ZCVAE, batch, **kw) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("num_latents", [1, 3])
-def test_discrete_shared_prefix_equals_full_path(backbones, arch, num_latents):
-    model, batch = build(backbones, arch, num_latents=num_latents)
+def test_discrete_shared_prefix_equals_full_path(build, arch, num_latents):
+    model, batch = build(arch, num_latents=num_latents)
     assert model.config.share_x_prefix, "sharing is on by default"
     assert_same(model, batch)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_mean_pooled_posterior_shared_prefix_equals_full_path(backbones, arch):
+def test_mean_pooled_posterior_shared_prefix_equals_full_path(build, arch):
     """posterior_pooling="mean" pools <y> .. </y>, which sit at other columns on the shared path."""
-    model, batch = build(backbones, arch, num_latents=3, posterior_pooling="mean")
+    model, batch = build(arch, num_latents=3, posterior_pooling="mean")
     assert_same(model, batch)
-    last, _ = build(backbones, arch, num_latents=3)
+    last, _ = build(arch, num_latents=3)
     with torch.no_grad():
         # the same weights read a different state: the pooling is really in use
         assert not torch.allclose(model(batch, mode="encode").posterior_logits, last(batch, mode="encode").posterior_logits)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_discrete_multi_slot_shared_prefix_equals_full_path(backbones, arch):
+def test_discrete_multi_slot_shared_prefix_equals_full_path(build, arch):
     """--num-z-slots 2 for the discrete latent: the z section <z> z_k^1 z_k^2 </z> after the cache."""
-    model, batch = build(backbones, arch, num_latents=3, num_z_slots=2)
+    model, batch = build(arch, num_latents=3, num_z_slots=2)
     assert_same(model, batch)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("num_samples", [1, 3])
-def test_gaussian_shared_prefix_equals_full_path(backbones, arch, num_samples):
-    model, batch = build(backbones, arch, latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=num_samples)
+def test_gaussian_shared_prefix_equals_full_path(build, arch, num_samples):
+    model, batch = build(arch, latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=num_samples)
     noise = torch.randn(len(batch), num_samples, 4, generator=torch.Generator().manual_seed(2))
     assert_same(model, batch, latent_noise=noise)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("latent", ["discrete", "continuous"])
-def test_shared_prefix_under_gradient_checkpointing_equals_full_path(backbones, arch, latent):
+def test_shared_prefix_under_gradient_checkpointing_equals_full_path(build, arch, latent):
     """Activation checkpointing on (non-reentrant, as the engines set it): the shared prefix's keys and
     values are made inside checkpointed layers and every layer is replayed in the backward; loss, q,
     p, KL and every gradient still equal the full path, which is checkpointed too."""
     cfg = dict(num_latents=3) if latent == "discrete" else dict(latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=2)
-    model, batch = build(backbones, arch, gradient_checkpointing=True, branch_chunk_size=4, **cfg)
+    model, batch = build(arch, gradient_checkpointing=True, branch_chunk_size=4, **cfg)
     kw = {"latent_noise": torch.randn(len(batch), 2, 4, generator=torch.Generator().manual_seed(2))} if latent == "continuous" else {}
     assert_same(model, batch, **kw)
     # not vacuous: the attention modules (inside the checkpointed layers) run again in the backward
@@ -184,16 +143,16 @@ def test_shared_prefix_under_gradient_checkpointing_equals_full_path(backbones, 
     assert all(m.gradient_checkpointing for m in model.peft_model.modules() if hasattr(m, "gradient_checkpointing"))
 
 
-def test_shared_prefix_with_chunked_branches(backbones):
+def test_shared_prefix_with_chunked_branches(build):
     """Chunks that split an example's K rows (chunk 2 with K = 3) select the right cached prefix."""
-    model, batch = build(backbones, "llama", num_latents=3, branch_chunk_size=2)
+    model, batch = build("llama", num_latents=3, branch_chunk_size=2)
     assert_same(model, batch)
 
 
-def test_positions_match_the_full_rows(backbones):
+def test_positions_match_the_full_rows(build):
     """The suffix rows continue each example's own positions (RoPE sees P_i + j, not P + j), and the
     prefix hidden state at </x> equals the full row's."""
-    model, batch = build(backbones, "llama", num_latents=2)
+    model, batch = build("llama", num_latents=2)
     calls = []
     base = model._decoder()  # the passes run the decoder; the head is applied at supervised positions
     assert base is not None
@@ -216,8 +175,8 @@ def test_positions_match_the_full_rows(backbones):
     torch.testing.assert_close(prefix.h_prior_BH, h_full, atol=ATOL, rtol=ATOL)
 
 
-def test_fallbacks_are_named_and_exact(backbones):
-    model, batch = build(backbones, "llama", num_latents=2)
+def test_fallbacks_are_named_and_exact(build):
+    model, batch = build("llama", num_latents=2)
     model.config.share_x_prefix = False
     assert model.prefix_sharing_blocker(batch) == "share_x_prefix=False"
     model.config.share_x_prefix = True

@@ -1,10 +1,14 @@
-"""Launch the real ``zcvae train`` CLI (plain, under torchrun, as two "nodes") and read its run directory.
+"""The one launcher of the multi-process tests: run the real ``zcvae`` CLI or a worker file (plain, under
+torchrun, as two "nodes") on CPU ranks over gloo, and read a run directory.
 
 Every launch runs in its own process group (``start_new_session``) so that a timeout can kill the
 torchrun agent *and* its workers; a hang fails the test that needs that run instead of stalling CI.
-:class:`LaunchPool` starts launches in the background with a bound on concurrent worker processes
-(each costs ~10-20 s of imports and several hundred MB), so independent runs overlap while the tests
-that need one of them wait only for that one.
+:func:`run_launch` runs one launch and waits; :class:`LaunchPool` starts launches in the background
+with a bound on concurrent worker processes (each costs ~10-20 s of imports and several hundred MB), so
+independent runs overlap while the tests that need one of them wait only for that one.
+
+A worker file (``worker_cmd``) is a test module whose ``if __name__ == "__main__":`` branch is the rank's
+code; ``cpu_env`` puts src/ and tests/ (tests/tiny_models.py) on its PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -22,24 +26,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
+TESTS = HERE.parent
+REPO = TESTS.parent
 
 # Variables a surrounding launcher may have set; a child must not inherit them (torchrun sets its own).
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_RUN_ID", "NODE_RANK")
 
 
-def cpu_env(cache_dir: str | os.PathLike) -> dict[str, str]:
-    """Environment of a CPU-only child: gloo, one thread per process, a private ZCVAE_CACHE."""
+def cpu_env(cache_dir: str | os.PathLike | None = None) -> dict[str, str]:
+    """Environment of a CPU-only child: gloo, one thread per process, src/ and tests/ importable, and
+    a private ZCVAE_CACHE when ``cache_dir`` is given (a CLI run; worker files build no backbone)."""
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     env.update({
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
         "CUDA_VISIBLE_DEVICES": "",
         "TOKENIZERS_PARALLELISM": "false",
-        "ZCVAE_CACHE": str(cache_dir),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), str(TESTS), env.get("PYTHONPATH", "")) if p),
     })
+    if cache_dir is not None:
+        env["ZCVAE_CACHE"] = str(cache_dir)
     return env
 
 
@@ -54,9 +61,13 @@ def zcvae_cmd(*args) -> list[str]:
 
 
 def torchrun_cmd(*args, nproc: int = 2) -> list[str]:
-    """Single node, ``nproc`` ranks; ``--standalone`` picks a free rendezvous port itself."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "-m", "zcvae", *map(str, args)]
+    """``zcvae ARGS`` on a single node, ``nproc`` ranks; ``--standalone`` picks a free rendezvous port itself."""
+    return worker_cmd("-m", "zcvae", *args, nproc=nproc)
+
+
+def worker_cmd(*target, nproc: int = 2) -> list[str]:
+    """torchrun of ``target`` (a worker file and its arguments, or ``-m module ...``) on ``nproc`` local ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, target)]
 
 
 def two_node_cmds(*args, port: int, run_id: str) -> list[list[str]]:
@@ -153,6 +164,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # the session we created: the agent and its workers
     except ProcessLookupError:
         pass
+
+
+def run_launch(name: str, *cmds: list[str], log_dir: str | os.PathLike, env: dict[str, str], timeout_s: float,
+               num_workers: int = 2) -> Launch:
+    """Start ``cmds`` together in ``log_dir`` (also their cwd), wait, and return the finished launch: ``ok``,
+    ``timed_out``, ``failure()`` and ``tail()`` (the output of each command, in ``log_dir/NAME.I.log``)."""
+    launch = Launch(name=name, cmds=list(cmds), num_workers=num_workers, log_dir=Path(log_dir), env=env, timeout_s=timeout_s)
+    launch.run()
+    return launch
 
 
 class LaunchPool:

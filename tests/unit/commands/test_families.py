@@ -20,7 +20,7 @@ from zcvae.commands.sweep import (
     resolve_defaults,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FAMILIES = REPO / "launch" / "families"
 SEEDS = {0, 1, 2}
 

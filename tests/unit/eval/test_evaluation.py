@@ -342,21 +342,12 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from transformers import LlamaForCausalLM
-
-    from zcvae.backbone.pretraining import tiny_llama_config
+def setup(tiny_backbone):
     from zcvae.config import TrainConfig
-    from zcvae.data import build_tokenizer, get_task, make_examples
+    from zcvae.data import get_task, make_examples
     from zcvae.templates import encode_examples
 
-    backbone = tmp_path_factory.mktemp("backbone")
-    tok = build_tokenizer()
-    config = tiny_llama_config(len(tok), hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
-                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(backbone)
-    tok.save_pretrained(backbone)
+    backbone = tiny_backbone(hidden_size=16, num_layers=1, intermediate_size=32)
     task = get_task("copy")
     cfg = TrainConfig(task="copy", backbone=str(backbone), micro_batch_size=2, num_eval_decode_examples=5, max_new_tokens=5,
                       reference_policy="online", num_latents=3)

@@ -32,7 +32,7 @@ from zcvae.commands.sweep import (
     validate_family,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TCCW = "normalized_concentration_corrected_token_weighted_reconstruction_weight"
 DIST = "distribution_normalized_reconstruction_weight"
 

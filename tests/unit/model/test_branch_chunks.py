@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from zcvae.data import build_tokenizer
 from zcvae.core.losses import ReconstructionLossConfig
-from zcvae.model.cvae import ZCVAE, ModelConfig
+from zcvae.model.cvae import ModelConfig
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
-from zcvae.templates import EncodedExample, collate
 
 ATOL = 1e-5
 X_LENGTHS, Y_LENGTHS = (1, 7, 3, 5), (6, 2, 9, 1)
@@ -30,32 +27,10 @@ RECON = ReconstructionLossConfig(
 AUX = AuxiliaryWeights(posterior_entropy=0.1, router_support=0.2, router_marginal_kl=0.3, inter_latent_divergence=0.5, posterior_variance=0.1)
 
 
-@pytest.fixture(scope="module")
-def backbone(tmp_path_factory):
-    tok = build_tokenizer()
-    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, **ids))
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
-def build(backbone: str, **cfg):
-    model = ZCVAE.from_pretrained(backbone, ModelConfig(**cfg), seed=0)
-    g = torch.Generator().manual_seed(0)
-    lo, hi = 11, len(build_tokenizer())
-    examples = [EncodedExample(f"e{i}", tuple(torch.randint(lo, hi, (nx,), generator=g).tolist()), tuple(torch.randint(lo, hi, (ny,), generator=g).tolist()))
-                for i, (nx, ny) in enumerate(zip(X_LENGTHS, Y_LENGTHS))]
-    batch = collate(examples, model.tokens, num_z_slots=model.config.num_z_slots)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.requires_grad and ("lora_B" in name or "trainable_tokens_delta" in name or "router" in name):
-                p.add_((0.1 if "router" in name else 0.3) * torch.randn(p.shape, generator=g))
-    model.calibrate(batch)
-    return model, batch
+@pytest.fixture
+def build(hf_backbone, perturbed_model):
+    """``build(**model_config) -> (model, batch)``: a perturbed model on the tiny Llama and the ragged batch above."""
+    return lambda **cfg: perturbed_model(hf_backbone("llama"), ModelConfig(**cfg), lengths=zip(X_LENGTHS, Y_LENGTHS))
 
 
 def step(model, batch, *, chunk, checkpointing: bool = False, **kw):
@@ -93,9 +68,9 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("latent", ["discrete", "continuous"])
-def test_chunked_branches_give_the_unchunked_gradients(backbone, latent, share):
+def test_chunked_branches_give_the_unchunked_gradients(build, latent, share):
     cfg = dict(num_latents=3) if latent == "discrete" else dict(latent_type="continuous", latent_dim=4, num_latent_samples=3)
-    model, batch = build(backbone, share_x_prefix=share, **cfg)
+    model, batch = build(share_x_prefix=share, **cfg)
     kw = {"latent_noise": torch.randn(len(batch), 3, 4, generator=torch.Generator().manual_seed(2))} if latent == "continuous" else {}
     full = step(model, batch, chunk=None, **kw)
     assert full[1]["inter_latent_divergence"].abs().sum() > 0
@@ -123,11 +98,11 @@ def saved_bytes(model, batch) -> int:
     return sum(seen.values())
 
 
-def test_kept_activations_do_not_grow_with_k(backbone):
+def test_kept_activations_do_not_grow_with_k(build):
     """K = 8 with chunks of B rows keeps about what K = 1 keeps; unchunked it keeps ~K times more."""
     kept = {}
     for K, chunk in ((1, None), (8, None), (8, len(X_LENGTHS))):
-        model, batch = build(backbone, num_latents=K, branch_chunk_size=chunk)
+        model, batch = build(num_latents=K, branch_chunk_size=chunk)
         kept[(K, chunk)] = saved_bytes(model, batch)
     one, unchunked, chunked = kept[(1, None)], kept[(8, None)], kept[(8, len(X_LENGTHS))]
     assert unchunked > 3 * one, kept

@@ -229,35 +229,22 @@ def test_without_the_flag_the_fresh_marker_rows_stay_frozen(raw_tiny_backbone):
     assert torch.equal(in0, in1) and torch.equal(out0, out1)
 
 
-def test_fresh_marker_rows_round_trip_through_export_and_load(raw_tiny_backbone, tmp_path):
+def test_fresh_marker_rows_round_trip_through_export_and_load(raw_tiny_backbone, tmp_path, checkpointed_run):
     """Trained marker rows (and z rows, LoRA, heads) come back from an export: load_for_inference and
     the model card's peft recipe give the trained model's logits."""
     from peft import PeftModel
 
     from zcvae.commands.cli import main as cli_main
-    from zcvae.engines import EngineConfig, build_engine
     from zcvae.export.load import load_for_inference, prepare_base
     from zcvae.model.cvae import ZCVAE
-    from zcvae.runs.checkpoint import CheckpointManager
 
     backbone = raw_tiny_backbone()
     cfg = TrainConfig(backbone=str(backbone), num_latents=2, lora_r=4, max_length=32, allow_fresh_markers=True,
                       output_dir=str(tmp_path / "run"), run_name="raw")
     model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.seed)
     batch = _batch(model)
-    with torch.no_grad():
-        model(batch, mode="encode")  # the router's standardisation buffers
-        gen = torch.Generator().manual_seed(1)
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    run_dir = checkpointed_run(model, batch, cfg, scale=0.05, step=2, c_base=C_BASE)
     model.eval()
-    engine = build_engine(EngineConfig(engine="local"), model=model,
-                          param_groups=model.param_groups(lora_lr=1e-3, latent_lr=1e-3, weight_decay=0.0), learning_rate=1e-3)
-    run_dir = Path(cfg.output_dir)
-    run_dir.mkdir()
-    CheckpointManager(run_dir / "checkpoints", keep=1, is_main=True).save(engine, step=2, config=cfg, c_base=C_BASE)
-    (run_dir / "run_config.json").write_text(json.dumps({"config": cfg.to_dict(), "c_base": C_BASE}))
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 2, "split": "eval", "nmi": 0.5}) + "\n")
     out = tmp_path / "export"
     assert cli_main(["export", str(run_dir), "--out", str(out)]) == 0

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from zcvae.engines.base import named_param_groups
 from zcvae.engines.deepspeed import BUILTIN_DEEPSPEED_CONFIGS, resolve_deepspeed_config
 from zcvae.engines.fsdp2 import find_decoder_layers
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(Path(__file__).resolve().parents[3])
 DS_DIR = os.path.join(REPO, "ds_configs")
 SHIPPED = sorted(f for f in os.listdir(DS_DIR) if f.endswith(".json"))
 

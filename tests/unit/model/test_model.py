@@ -1,4 +1,4 @@
-"""ZCVAE around tiny Llama and GPT-2 backbones saved with save_pretrained and loaded from disk."""
+"""ZCVAE around tiny Llama and GPT-2 backbones saved with save_pretrained and loaded from disk (``hf_backbone``)."""
 
 from __future__ import annotations
 
@@ -7,36 +7,13 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
-from zcvae.data import build_tokenizer, make_examples
+from zcvae.data import make_examples
 from zcvae.core.latent import gaussian_kl
 from zcvae.core.losses import gather_span, token_nll
 from zcvae.model.cvae import ZCVAE, ModelConfig
 from zcvae.templates import collate, encode_examples
-
-
-@pytest.fixture(scope="module")
-def backbones(tmp_path_factory):
-    """{"llama": dir, "gpt2": dir}: random tiny backbones with the word-level tokenizer."""
-    tok = build_tokenizer()
-    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    models = {
-        "llama": LlamaForCausalLM(
-            LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=128, **ids)
-        ),
-        # GPT-2 ties its output head to the input embedding; its dropout (0.1) must be switched off.
-        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=128, **ids)),
-    }
-    out = {}
-    for name, model in models.items():
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        tok.save_pretrained(path)
-        out[name] = str(path)
-    return out
 
 
 def make_batch(model: ZCVAE, *, num_examples: int = 4, seed: int = 0):
@@ -46,9 +23,9 @@ def make_batch(model: ZCVAE, *, num_examples: int = 4, seed: int = 0):
     return collate(encoded, model.tokens, num_z_slots=model.config.num_z_slots)
 
 
-def load(backbones, arch: str, *, calibrate: bool = True, **cfg) -> tuple[ZCVAE, object]:
+def load(hf_backbone, arch: str, *, calibrate: bool = True, **cfg) -> tuple[ZCVAE, object]:
     config = ModelConfig(**cfg)
-    model = ZCVAE.from_pretrained(backbones[arch], config)
+    model = ZCVAE.from_pretrained(hf_backbone(arch), config)
     batch = make_batch(model)
     if calibrate:
         model.calibrate(batch)
@@ -101,13 +78,13 @@ def _frozen(module):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_reference_equals_base_model_after_training(backbones, arch):
-    model, batch = load(backbones, arch, num_latents=2)
+def test_reference_equals_base_model_after_training(hf_backbone, arch):
+    model, batch = load(hf_backbone, arch, num_latents=2)
     assert model.training and model.peft_model.training
     ref0, mask0 = model(batch, mode="reference")
     # An independent copy of the backbone from disk; the rows that from_pretrained added are copied in
     # (they enter the softmax normaliser), every other weight comes from the file.
-    base = AutoModelForCausalLM.from_pretrained(backbones[arch], local_files_only=True)
+    base = AutoModelForCausalLM.from_pretrained(hf_backbone(arch), local_files_only=True)
     old = base.get_input_embeddings().weight.shape[0]
     base.resize_token_embeddings(len(model.tokenizer), mean_resizing=False)
     with torch.no_grad():
@@ -127,8 +104,8 @@ def test_reference_equals_base_model_after_training(backbones, arch):
     assert (adapted - ref).abs().max() > 1e-3, "the trained (adapted) model should differ from the reference"
 
 
-def test_gradients_and_frozen_rows_tied_gpt2(backbones):
-    model, batch = load(backbones, "gpt2", num_latents=3)
+def test_gradients_and_frozen_rows_tied_gpt2(hf_backbone):
+    model, batch = load(hf_backbone, "gpt2", num_latents=3)
     named = dict(model.named_parameters())
     frozen = {n: p.detach().clone() for n, p in named.items() if not p.requires_grad}
     assert any("wte" in n for n in frozen), "the embedding matrix must stay frozen"
@@ -170,8 +147,8 @@ def test_gradients_and_frozen_rows_tied_gpt2(backbones):
     torch.testing.assert_close(logits[0, z], (h @ rows[z].T)[0])
 
 
-def test_discrete_branches_equal_loop_chunks_and_decode(backbones):
-    model, batch = load(backbones, "llama", num_latents=3)
+def test_discrete_branches_equal_loop_chunks_and_decode(hf_backbone):
+    model, batch = load(hf_backbone, "llama", num_latents=3)
     perturb_lora(model)
     with torch.no_grad():
         for n, p in model._latent_named_parameters():
@@ -196,9 +173,9 @@ def test_discrete_branches_equal_loop_chunks_and_decode(backbones):
             torch.testing.assert_close(model(batch, mode="train").token_nll, out.token_nll, atol=1e-5, rtol=1e-5)
 
 
-def test_discrete_multi_slot_branches_equal_loop_chunks_and_decode(backbones):
+def test_discrete_multi_slot_branches_equal_loop_chunks_and_decode(hf_backbone):
     """--num-z-slots M for the discrete latent: value k writes its own M tokens into the M slots."""
-    model, batch = load(backbones, "llama", num_latents=3, num_z_slots=2)
+    model, batch = load(hf_backbone, "llama", num_latents=3, num_z_slots=2)
     slots = model.tokens.latent_slots
     assert len(slots) == 3 and all(len(s) == 2 for s in slots) and len(set(model.tokens.latents)) == 6
     assert model.tokenizer.convert_ids_to_tokens(list(slots[1])) == ["<z_1_1>", "<z_1_2>"]
@@ -233,8 +210,8 @@ def test_discrete_multi_slot_branches_equal_loop_chunks_and_decode(backbones):
             torch.testing.assert_close(model(batch, mode="train").token_nll, out.token_nll, atol=1e-5, rtol=1e-5)
 
 
-def test_discrete_multi_slot_trains_only_z_rows_tied_gpt2(backbones):
-    model, batch = load(backbones, "gpt2", num_latents=2, num_z_slots=3)
+def test_discrete_multi_slot_trains_only_z_rows_tied_gpt2(hf_backbone):
+    model, batch = load(hf_backbone, "gpt2", num_latents=2, num_z_slots=3)
     z = torch.tensor(model.tokens.latents)
     assert z.numel() == 6
     emb = model.peft_model.get_input_embeddings()
@@ -258,9 +235,9 @@ def test_discrete_multi_slot_trains_only_z_rows_tied_gpt2(backbones):
     assert (rows[z] - rows0[z]).abs().amax(-1).min() > 0, "every z row should have trained"
 
 
-def test_step0_router_is_uniform_and_batch_independent(backbones):
+def test_step0_router_is_uniform_and_batch_independent(hf_backbone):
     for calibrate in (True, False):  # False: lazy calibration at the first train forward
-        model, batch = load(backbones, "llama", calibrate=calibrate, num_latents=4)
+        model, batch = load(hf_backbone, "llama", calibrate=calibrate, num_latents=4)
         out = model(batch, mode="train")
         assert model.router.calibrated
         uniform = torch.full((len(batch), 4), 0.25)
@@ -278,8 +255,8 @@ def test_step0_router_is_uniform_and_batch_independent(backbones):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_gaussian_loads_trains_and_kl_matches_formula(backbones, arch):
-    model, batch = load(backbones, arch, latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=2)
+def test_gaussian_loads_trains_and_kl_matches_formula(hf_backbone, arch):
+    model, batch = load(hf_backbone, arch, latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=2)
     B = len(batch)
     noise = torch.randn(B, 2, 4, generator=torch.Generator().manual_seed(0))
     out = model(batch, mode="train", latent_noise=noise)
@@ -308,8 +285,8 @@ def test_gaussian_loads_trains_and_kl_matches_formula(backbones, arch):
         assert dec.shape == (B, len(model.tokenizer)) and torch.isfinite(dec).all()
 
 
-def test_gaussian_standard_normal_prior(backbones):
-    model, batch = load(backbones, "llama", latent_type="continuous", latent_dim=3, learned_prior=False)
+def test_gaussian_standard_normal_prior(hf_backbone):
+    model, batch = load(hf_backbone, "llama", latent_type="continuous", latent_dim=3, learned_prior=False)
     assert not any("prior" in n for n, _ in model._latent_named_parameters())
     train_steps(model, batch, 2)
     out = model(batch, mode="encode")
@@ -318,8 +295,8 @@ def test_gaussian_standard_normal_prior(backbones):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_discrete_loads_and_trains_a_step(backbones, arch):
-    model, batch = load(backbones, arch, num_latents=2, gradient_checkpointing=True, branch_chunk_size=3)
+def test_discrete_loads_and_trains_a_step(hf_backbone, arch):
+    model, batch = load(hf_backbone, arch, num_latents=2, gradient_checkpointing=True, branch_chunk_size=3)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     train_steps(model, batch, 1)
     changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
@@ -327,8 +304,8 @@ def test_discrete_loads_and_trains_a_step(backbones, arch):
     assert any("router.posterior_head" in n for n in changed)
 
 
-def test_check_trainable_names_missing_parameter(backbones):
-    model, _ = load(backbones, "llama", num_latents=2)
+def test_check_trainable_names_missing_parameter(hf_backbone):
+    model, _ = load(hf_backbone, "llama", num_latents=2)
     groups = model.param_groups(lora_lr=1e-3, latent_lr=1e-2, weight_decay=0.0)
     assert [g["name"] for g in groups] == ["lora", "latent"]
     model.check_trainable(groups)
@@ -341,7 +318,7 @@ def test_check_trainable_names_missing_parameter(backbones):
         model.check_trainable([p for g in groups for p in g["params"]])
 
 
-def test_bad_configuration(backbones, tmp_path):
+def test_bad_configuration(hf_backbone, tmp_path):
     with pytest.raises(ValueError, match="latent_type"):
         ModelConfig(latent_type="vq")
     with pytest.raises(ValueError, match="num_latents"):
@@ -362,7 +339,7 @@ def test_bad_configuration(backbones, tmp_path):
         from zcvae.model.cvae import default_lora_targets
 
         default_lora_targets("mamba")
-    model, batch = load(backbones, "llama", calibrate=False, num_latents=2)
+    model, batch = load(hf_backbone, "llama", calibrate=False, num_latents=2)
     with pytest.raises(ValueError, match="mode"):
         model(batch, mode="generate")
     with pytest.raises(ValueError, match="num_z_slots"):
