@@ -21,7 +21,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zcvae.model.cvae import adapters_disabled
+from zcvae.model.hf_compat import adapters_disabled
 
 NUM_EXAMPLES = 8
 NUM_STEPS = 4

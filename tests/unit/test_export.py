@@ -57,7 +57,7 @@ def trained(tmp_path_factory):
     model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.seed)
     batch = collate([example(model, "3 1 4", "fwd 3 1 4 ."), example(model, "2 7 1 8", Y), example(model, "5 5", "fwd 5 5 .")], model.tokens)
     with torch.no_grad():
-        model(batch, mode="encode")  # calibrates the router's standardisation buffers
+        model.encode(batch)  # calibrates the router's standardisation buffers
         gen = torch.Generator().manual_seed(1)
         for p in model.parameters():
             if p.requires_grad:  # move every trainable tensor off its initial value (LoRA B starts at 0)
@@ -145,7 +145,7 @@ def test_load_for_inference(trained, exported, source):
     loaded = load_for_inference(exported if source == "export" else run_dir)
     batch = collate([example(model, X, Y)], model.tokens)
     with torch.no_grad():
-        a, b = loaded(batch, mode="encode"), model(batch, mode="encode")
+        a, b = loaded.encode(batch), model.encode(batch)
     assert torch.equal(a.posterior_logits, b.posterior_logits) and torch.equal(a.prior_logits, b.prior_logits)
     assert not torch.allclose(b.posterior_logits.softmax(-1), torch.full((1, 3), 1 / 3))  # the heads are not at init
 

@@ -62,7 +62,7 @@ def test_multi_slot_discrete_export_load_and_generate(tmp_path, capsys):
     model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.seed)
     batch = collate([encoded(model, "3 1 4", "fwd 3 1 4 ."), encoded(model, "2 7", "rev 7 2 .")], model.tokens, num_z_slots=2)
     with torch.no_grad():
-        model(batch, mode="encode")  # calibrates the router
+        model.encode(batch)  # calibrates the router
         gen = torch.Generator().manual_seed(1)
         for p in model.parameters():
             if p.requires_grad:
@@ -83,7 +83,7 @@ def test_multi_slot_discrete_export_load_and_generate(tmp_path, capsys):
         loaded = load_for_inference(source)
         assert loaded.config.num_z_slots == 2 and loaded.tokens == model.tokens
         with torch.no_grad():
-            a, b = loaded(batch, mode="train"), model(batch, mode="train")
+            a, b = loaded.train_forward(batch), model.train_forward(batch)
         torch.testing.assert_close(a.token_nll, b.token_nll, atol=1e-6, rtol=0)
         torch.testing.assert_close(a.posterior_logits, b.posterior_logits, atol=1e-6, rtol=0)
     expected = [greedy_reference(model, X, k, 4) for k in range(3)]
