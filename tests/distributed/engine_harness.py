@@ -166,7 +166,7 @@ def run_steps(
             inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
             # Reference first, then the training forward: a no-grad forward between a ZeRO-3 training
             # forward and its backward can break the parameter coordinator's trace. The model's own
-            # adapters_disabled (as ZCVAE._reference uses), not peft's disable_adapter(): peft's
+            # adapters_disabled (as ZCVAE.reference uses), not peft's disable_adapter(): peft's
             # context also toggles requires_grad, which the engines no longer guard against.
             with torch.no_grad(), adapters_disabled(engine.model):
                 ref_B = per_example_nll(engine.module(**inputs).logits, batch, mode, mean_num_tokens)
