@@ -61,7 +61,8 @@ from zcvae.backbone.convert import packaged_smollm2, resolve_backbone_path  # no
 from zcvae.distributed import flush_denormals  # noqa: E402
 from zcvae.engines import EngineConfig, build_engine  # noqa: E402
 from zcvae.core.losses import token_nll  # noqa: E402
-from zcvae.model.cvae import ZCVAE, ModelConfig, default_lora_targets  # noqa: E402
+from zcvae.model.config import ModelConfig, default_lora_targets  # noqa: E402
+from zcvae.model.cvae import ZCVAE  # noqa: E402
 from zcvae.core.objective import AuxiliaryWeights  # noqa: E402
 from zcvae.loop import MetricWindow  # noqa: E402
 from zcvae.reference.c_base import CBase  # noqa: E402

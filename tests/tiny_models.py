@@ -88,7 +88,7 @@ def checkpointed_run(model, batch, cfg, *, scale: float, step: int, c_base: dict
     from zcvae.runs.checkpoint import CheckpointManager
 
     with torch.no_grad():
-        model(batch, mode="encode")  # calibrates the router's standardisation buffers
+        model.encode(batch)  # calibrates the router's standardisation buffers
         gen = torch.Generator().manual_seed(1)
         for p in model.parameters():
             if p.requires_grad:  # move every trainable tensor off its initial value (LoRA B starts at 0)

@@ -24,7 +24,7 @@ from zcvae._version import __version__
 
 _API = {
     "ZCVAE": "zcvae.model.cvae",
-    "ModelConfig": "zcvae.model.cvae",
+    "ModelConfig": "zcvae.model.config",
     "CVAEOutput": "zcvae.model.cvae",
     "TrainConfig": "zcvae.config",
     "ReconstructionLossConfig": "zcvae.core.losses",

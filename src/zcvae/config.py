@@ -145,7 +145,7 @@ class TrainConfig(StrictDataclass):
         )
 
     def model_config(self):
-        from zcvae.model.cvae import ModelConfig
+        from zcvae.model.config import ModelConfig
 
         return ModelConfig(
             latent_type=self.latent_type,

@@ -14,14 +14,13 @@ Shape legend: B examples in a micro-batch, T padded length, V vocabulary.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zcvae.model.cvae import adapters_disabled
+from zcvae.model.hf_compat import adapters_disabled
 
 NUM_EXAMPLES = 8
 NUM_STEPS = 4
@@ -166,7 +165,7 @@ def run_steps(
             inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
             # Reference first, then the training forward: a no-grad forward between a ZeRO-3 training
             # forward and its backward can break the parameter coordinator's trace. The model's own
-            # adapters_disabled (as ZCVAE._reference uses), not peft's disable_adapter(): peft's
+            # adapters_disabled (as ZCVAE.reference uses), not peft's disable_adapter(): peft's
             # context also toggles requires_grad, which the engines no longer guard against.
             with torch.no_grad(), adapters_disabled(engine.model):
                 ref_B = per_example_nll(engine.module(**inputs).logits, batch, mode, mean_num_tokens)

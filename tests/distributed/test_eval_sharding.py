@@ -50,7 +50,7 @@ def run_evaluation(backbone: str, engine_name: str, run_dir: str | None) -> dict
     val, _ = encode_examples(make_examples(task, seed=0, split="val", num_examples=NUM_VAL), model.tokenizer, model.tokens,
                              max_length=cfg.max_length, num_z_slots=1)
     with torch.no_grad():
-        model(collate(calib, model.tokens, num_z_slots=1), mode="encode")  # router statistics, same batch on every rank
+        model.encode(collate(calib, model.tokens, num_z_slots=1))  # router statistics, same batch on every rank
         g = torch.Generator().manual_seed(1)
         for p in model.router.parameters():  # a non-uniform posterior, so MI/NMI are not trivially 0
             p.copy_(torch.randn(p.shape, generator=g))

@@ -51,7 +51,7 @@ LR, EPS = 10.0, 100.0  # see the module docstring
 
 
 def model_config(latent: str, mode: str):
-    from zcvae.model.cvae import ModelConfig
+    from zcvae.model.config import ModelConfig
 
     ckpt = mode == "shared-ckpt"
     common = dict(share_x_prefix=mode != "full", gradient_checkpointing=ckpt, branch_chunk_size=4 if ckpt else None)
@@ -106,7 +106,7 @@ def run_scenario(backbone: str, engine_name: str, latent: str, mode: str, *, ran
         # asked while gradients are on, as the forward asks: checkpointing must not block sharing
         record["shared"] = model.prefix_sharing_blocker(local) is None
         record["checkpointed"] = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-        record["branch_chunk_rows"] = model.branch_chunk_rows(len(local))
+        record["branch_chunk_rows"] = model.branch_chunk_rows()
         engine.backward(loss, sync=True)
         record["grad_norm"].append(float(engine.step(max_grad_norm=None)))
         record["loss"].append(float(engine.all_reduce(loss.detach().reshape(1))[0]))

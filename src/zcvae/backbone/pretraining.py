@@ -424,7 +424,8 @@ def load_backbone_for_finetune(config: PretrainConfig, *, log: Callable[[str], N
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from zcvae.backbone.convert import conversion_record, file_sha256, is_gguf_path, resolve_backbone_path
-    from zcvae.model.cvae import ZCVAE, _check_backbone_files, _disable_dropout
+    from zcvae.model.build import check_backbone_files as _check_backbone_files, disable_dropout as _disable_dropout
+    from zcvae.model.cvae import ZCVAE
     from zcvae.reference.store import fingerprint_backbone
 
     source = config.backbone

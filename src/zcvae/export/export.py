@@ -28,6 +28,7 @@ from zcvae.export.load import (
     resolve_backbone,
     run_train_config,
 )
+from zcvae.model.hf_compat import TRAINABLE_TOKENS_DELTA
 from zcvae.runs.checkpoint import read_meta
 from zcvae.runs.rundir import RUN_CONFIG, check_writable, describe_disk_error, final_eval_metrics, read_run_record
 
@@ -43,9 +44,9 @@ def _added_token_ids(model, backbone: str, *, trust_remote_code: bool) -> list[i
 
 def _z_rows_parameter(model) -> torch.nn.Parameter | None:
     for name, p in model.peft_model.named_parameters():
-        if "trainable_tokens_delta" in name and "embed" in name:
+        if TRAINABLE_TOKENS_DELTA in name and "embed" in name:
             return p
-    return next((p for n, p in model.peft_model.named_parameters() if "trainable_tokens_delta" in n), None)
+    return next((p for n, p in model.peft_model.named_parameters() if TRAINABLE_TOKENS_DELTA in n), None)
 
 
 def latent_heads_state(model, *, added_ids: list[int]) -> dict[str, torch.Tensor]:

@@ -272,7 +272,7 @@ def decode_greedy(model, x_ids, *, latent_index=None, z=None, max_new_tokens: in
     kw = {"latent_index": latent_index.to(device)} if latent_index is not None else {"z": z.to(device)}
 
     def next_logits(ids_RL, mask_RL):
-        return model(mode="decode", input_ids=ids_RL, attention_mask=mask_RL, slot_start=slot_R, **kw)
+        return model.decode(input_ids=ids_RL, attention_mask=mask_RL, slot_start=slot_R, **kw)
 
     prompts = [layout.zcond_prompt(x_ids, t)] * rows
     generated, _, _ = greedy_decode(next_logits, prompts, num_steps=max_new_tokens, stop_id=(t.y_close, t.eos),
@@ -294,7 +294,7 @@ def encode_xy(model, x_ids, y_ids=None) -> dict[str, torch.Tensor]:
     meaningful (the prior reads ``</x>``, which a causal model computes before any y token)."""
     placeholder = y_ids is None
     batch = _xy_batch(model, x_ids, y_ids if not placeholder else (model.tokens.pad,))
-    out = model(batch, mode="encode")
+    out = model.encode(batch)
     if out.posterior_logits is not None:
         result = {"posterior": out.posterior_logits.softmax(-1)[0], "prior": out.prior_logits.softmax(-1)[0], "kl": out.kl[0]}
     else:

@@ -4,7 +4,7 @@ The reference that gives b_t is the z-free backbone itself (a frozen reference
 initialized from the entangled checkpoint; README, "Real backbones"), so it must already know the template and the data:
 
 * **Markers.** A backbone whose tokenizer lacks a template marker (``<x> </x> <z> </z> <y> </y>``) or
-  ``<znull>`` gets it as a new token with a mean row (``ZCVAE._init_new_rows``): the reference cannot
+  ``<znull>`` gets it as a new token with a mean row (``model.build.init_new_rows``): the reference cannot
   score the template, and a frozen ``</y>`` row leaves the decoder unable to close y (a raw
   SmolLM2 wrote the right digits, then repeated them, on all 16 decodes). :func:`check_markers` stops
   the run with the ``zcvae pretrain --backbone`` command that builds the entangled checkpoint (the CLI

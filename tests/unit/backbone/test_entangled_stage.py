@@ -48,7 +48,8 @@ def reloaded_val_nll(out: Path, summary: dict) -> float:
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_lora_stage_trains_markers_merges_exactly_and_loads_in_train(tmp_path, raw_tiny_backbone, tied):
-    from zcvae.model.cvae import ModelConfig, ZCVAE
+    from zcvae.model.config import ModelConfig
+    from zcvae.model.cvae import ZCVAE
     from zcvae.reference.store import fingerprint_backbone
 
     source = raw_tiny_backbone(tied=tied)
@@ -178,7 +179,7 @@ def test_stage_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, raw_tiny
 def test_stage_writes_its_run_state_and_a_rerun_replaces_it(tmp_path, raw_tiny_backbone):
     """metrics.jsonl, TensorBoard and checkpoints live in the output directory next to the HF files;
     train's backbone check accepts the directory; a second run without resume replaces the first."""
-    from zcvae.model.cvae import _check_backbone_files
+    from zcvae.model.build import check_backbone_files
 
     source = raw_tiny_backbone()
     out = tmp_path / "stage"
@@ -186,7 +187,7 @@ def test_stage_writes_its_run_state_and_a_rerun_replaces_it(tmp_path, raw_tiny_b
     names = {p.name for p in out.iterdir()}
     assert {"checkpoints", "metrics.jsonl", "tensorboard", "config.json", "model.safetensors", "pretrain_summary.json"} <= names
     assert not any(name.endswith(".tmp") for name in names)
-    _check_backbone_files(str(out))
+    check_backbone_files(str(out))
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["split"] == "train"]
     assert steps == [2, 4, 6]

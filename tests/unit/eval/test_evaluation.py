@@ -371,7 +371,7 @@ def _build_model(cfg):
                                model.tokens, max_length=cfg.max_length, num_z_slots=cfg.slot_tokens)
     with torch.no_grad():
         # the router's standardisation statistics come from the first batch that reaches it
-        model(collate(calib, model.tokens, num_z_slots=cfg.slot_tokens), mode="encode")
+        model.encode(collate(calib, model.tokens, num_z_slots=cfg.slot_tokens))
         # give the posterior head and the z rows some signal, so the latent metrics are not all trivial
         g = torch.Generator().manual_seed(1)
         for p in model.router.parameters():
@@ -471,7 +471,7 @@ def test_evaluate_losses_and_mi_match_a_direct_whole_set_forward(setup):
     s.model.eval()
     with torch.no_grad():
         ref = s.reference.ref_nll(s.engine, batch)
-        out = s.model(batch, mode="train")
+        out = s.model.train_forward(batch)
         terms = per_example_objective(out, ref_nll_BN=ref, c_base=s.reference.c_base.value,
                                       recon_config=s.cfg.reconstruction_config(), kl_weight=s.cfg.kl_weight,
                                       aux=AuxiliaryWeights.from_train_config(s.cfg))

@@ -116,7 +116,7 @@ def test_load_for_inference(trained, exported, source):
     loaded = load_for_inference(exported if source == "export" else run_dir)
     batch = collate([example(model, X, Y)], model.tokens)
     with torch.no_grad():
-        a, b = loaded(batch, mode="encode"), model(batch, mode="encode")
+        a, b = loaded.encode(batch), model.encode(batch)
     assert torch.equal(a.posterior_logits, b.posterior_logits) and torch.equal(a.prior_logits, b.prior_logits)
     assert not torch.allclose(b.posterior_logits.softmax(-1), torch.full((1, 3), 1 / 3))  # the heads are not at init
 

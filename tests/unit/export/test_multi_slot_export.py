@@ -54,7 +54,7 @@ def test_multi_slot_discrete_export_load_and_generate(tmp_path, capsys, tiny_bac
         loaded = load_for_inference(source)
         assert loaded.config.num_z_slots == 2 and loaded.tokens == model.tokens
         with torch.no_grad():
-            a, b = loaded(batch, mode="train"), model(batch, mode="train")
+            a, b = loaded.train_forward(batch), model.train_forward(batch)
         torch.testing.assert_close(a.token_nll, b.token_nll, atol=1e-6, rtol=0)
         torch.testing.assert_close(a.posterior_logits, b.posterior_logits, atol=1e-6, rtol=0)
     expected = [greedy_reference(model, X, k, 4) for k in range(3)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zcvae.core.losses import ReconstructionLossConfig
-from zcvae.model.cvae import ModelConfig
+from zcvae.model.config import ModelConfig
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 
 ATOL = 1e-5
@@ -43,8 +43,8 @@ def step(model, batch, *, chunk, checkpointing: bool = False, **kw):
         hf.gradient_checkpointing_disable()
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
-        ref = model(batch, mode="reference")[0]
-    out = model(batch, mode="train", **kw)
+        ref = model.reference(batch)[0]
+    out = model.train_forward(batch, **kw)
     terms = per_example_objective(out, ref_nll_BN=ref, c_base=0.8, recon_config=RECON, kl_weight=0.7, aux=AUX)
     loss = terms["loss"].sum() / len(batch)
     if out.posterior is not None:
@@ -79,7 +79,7 @@ def test_chunked_branches_give_the_unchunked_gradients(build, latent, share):
     # checkpointing on, no chunk size: one chunk (layer checkpoints bound memory), still exact
     model.config.branch_chunk_size = None
     ckpt = step(model, batch, chunk=None, checkpointing=True, **kw)
-    assert model.branch_chunk_rows(len(batch)) is None
+    assert model.branch_chunk_rows() is None
     assert_same(ckpt, full)
     assert_same(step(model, batch, chunk=2, checkpointing=True, **kw), full)
 
@@ -93,7 +93,7 @@ def saved_bytes(model, batch) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(batch, mode="train")
+        out = model.train_forward(batch)
     del out
     return sum(seen.values())
 

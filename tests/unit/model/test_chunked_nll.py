@@ -13,7 +13,7 @@ from torch import nn
 import zcvae.model.cvae as model_module
 from zcvae.data import build_tokenizer
 from zcvae.core.losses import IGNORE_INDEX, gather_span, supervised_token_nll, token_nll
-from zcvae.model.cvae import ModelConfig
+from zcvae.model.config import ModelConfig
 
 ATOL = 1e-5
 B, T, H, V = 4, 11, 8, 37
@@ -99,13 +99,13 @@ def build(hf_backbone, perturbed_model):
 
 
 def run(model, batch, *, decoder: bool, **kw):
-    model.__dict__["_decoder_ok"] = decoder  # False: the full-logits path (what a soft-capped LM takes)
+    model._decoder_ok = decoder  # False: the full-logits path (what a soft-capped LM takes)
     model.zero_grad(set_to_none=True)
-    out = model(batch, mode="train", **kw)
+    out = model.train_forward(batch, **kw)
     mask = out.mask.float()
     loss = ((out.branch_weights * (out.token_nll * mask[:, None]).sum(-1)).sum(-1) + out.kl + 0.3 * (out.zfree_nll * mask).sum(-1)).mean()
     loss.backward()
-    ref = model(batch, mode="reference")[0]
+    ref = model.reference(batch)[0]
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, ref
 
 
@@ -132,10 +132,10 @@ def test_model_supervised_logits_equal_full_logits(build, arch, share, latent, m
 def test_capped_logits_keep_the_full_path(build):
     model, batch = build("llama", num_latents=2)
     assert model._decoder() is not None
-    model.__dict__.pop("_decoder_ok")
+    model._decoder_ok = None  # check again
     model.peft_model.get_base_model().config.final_logit_softcapping = 30.0
     assert model._decoder() is None
-    model.__dict__.pop("_decoder_ok")
+    model._decoder_ok = None  # check again
     model.peft_model.get_base_model().config.final_logit_softcapping = None
     hf = model.peft_model.get_base_model()
     plain = hf.forward

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from zcvae.data import make_examples
 from zcvae.core.latent import gaussian_kl
 from zcvae.core.losses import gather_span, token_nll
-from zcvae.model.cvae import ZCVAE, ModelConfig
+from zcvae.model.config import ModelConfig
+from zcvae.model.cvae import ZCVAE
 from zcvae.templates import collate, encode_examples
 
 
@@ -48,7 +49,7 @@ def train_steps(model, batch, num_steps: int, *, weight_decay: float = 0.0, lr: 
     model.check_trainable(groups)
     for _ in range(num_steps):
         opt.zero_grad()
-        loss = objective(model(batch, mode="train"))
+        loss = objective(model.train_forward(batch))
         assert torch.isfinite(loss)
         loss.backward()
         opt.step()
@@ -81,7 +82,7 @@ def _frozen(module):
 def test_reference_equals_base_model_after_training(hf_backbone, arch):
     model, batch = load(hf_backbone, arch, num_latents=2)
     assert model.training and model.peft_model.training
-    ref0, mask0 = model(batch, mode="reference")
+    ref0, mask0 = model.reference(batch)
     # An independent copy of the backbone from disk; the rows that from_pretrained added are copied in
     # (they enter the softmax normaliser), every other weight comes from the file.
     base = AutoModelForCausalLM.from_pretrained(hf_backbone(arch), local_files_only=True)
@@ -92,7 +93,7 @@ def test_reference_equals_base_model_after_training(hf_backbone, arch):
         base.get_output_embeddings().weight[old:] = _frozen(model.peft_model.get_output_embeddings())[old:]
     train_steps(model, batch, 2, weight_decay=0.1)
 
-    ref, mask = model(batch, mode="reference")
+    ref, mask = model.reference(batch)
     base.eval()
     base_logits = base(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     base_nll, base_mask = gather_span(token_nll(base_logits, batch.labels), batch.labels, n_span=ref.shape[1])
@@ -100,7 +101,7 @@ def test_reference_equals_base_model_after_training(hf_backbone, arch):
     torch.testing.assert_close(ref, base_nll, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ref, ref0, atol=1e-6, rtol=0)
     assert not ref.requires_grad
-    adapted = model(batch, mode="encode").zfree_nll
+    adapted = model.encode(batch).zfree_nll
     assert (adapted - ref).abs().max() > 1e-3, "the trained (adapted) model should differ from the reference"
 
 
@@ -119,7 +120,7 @@ def test_gradients_and_frozen_rows_tied_gpt2(hf_backbone):
     torch.testing.assert_close(offsets.norm(dim=-1), 0.1 * rows0[model.tokens.znull].norm().expand(3), rtol=1e-4, atol=1e-6)
     assert torch.pdist(offsets).min() > 0
 
-    objective(model(batch, mode="train")).backward()
+    objective(model.train_forward(batch)).backward()
     groups = {g["name"]: g["params"] for g in model.param_groups(lora_lr=1e-3, latent_lr=1e-2, weight_decay=0.1)}
     lora_b = [p for n, p in named.items() if "lora_B" in n]
     assert lora_b and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_b)
@@ -154,7 +155,7 @@ def test_discrete_branches_equal_loop_chunks_and_decode(hf_backbone):
         for n, p in model._latent_named_parameters():
             if "trainable_tokens_delta" in n:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-        out = model(batch, mode="train")
+        out = model.train_forward(batch)
         assert out.token_nll.shape == (4, 3, int(batch.num_supervised.max()))
         rows = torch.arange(len(batch))
         for k, latent_id in enumerate(model.tokens.latents):
@@ -164,13 +165,13 @@ def test_discrete_branches_equal_loop_chunks_and_decode(hf_backbone):
             # decode writes latent k into the <znull> slot and returns the logits at the last attended position
             logits = model.peft_model(input_ids=ids, attention_mask=batch.z_attention_mask).logits
             last = batch.z_attention_mask.sum(1) - 1
-            dec = model(mode="decode", input_ids=batch.z_input_ids, attention_mask=batch.z_attention_mask,
+            dec = model.decode(input_ids=batch.z_input_ids, attention_mask=batch.z_attention_mask,
                         slot_start=batch.z_slot_start, latent_index=torch.full((len(batch),), k))
             torch.testing.assert_close(dec, logits[rows, last], atol=1e-5, rtol=1e-5)
         assert (out.inter_latent_divergence > 0).all()
         for chunk in (1, 5):
             model.config.branch_chunk_size = chunk
-            torch.testing.assert_close(model(batch, mode="train").token_nll, out.token_nll, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model.train_forward(batch).token_nll, out.token_nll, atol=1e-5, rtol=1e-5)
 
 
 def test_discrete_multi_slot_branches_equal_loop_chunks_and_decode(hf_backbone):
@@ -185,7 +186,7 @@ def test_discrete_multi_slot_branches_equal_loop_chunks_and_decode(hf_backbone):
             if "trainable_tokens_delta" in n:
                 assert p.shape == (6, 32)
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-        out = model(batch, mode="train")
+        out = model.train_forward(batch)
         assert out.token_nll.shape == (4, 3, int(batch.num_supervised.max()))
         rows = torch.arange(len(batch))
         for k, ids_M in enumerate(slots):
@@ -197,7 +198,7 @@ def test_discrete_multi_slot_branches_equal_loop_chunks_and_decode(hf_backbone):
             torch.testing.assert_close(out.token_nll[:, k], explicit_nll(model, batch, ids), atol=1e-5, rtol=1e-5)
             logits = model.peft_model(input_ids=ids, attention_mask=batch.z_attention_mask).logits
             last = batch.z_attention_mask.sum(1) - 1
-            dec = model(mode="decode", input_ids=batch.z_input_ids, attention_mask=batch.z_attention_mask,
+            dec = model.decode(input_ids=batch.z_input_ids, attention_mask=batch.z_attention_mask,
                         slot_start=batch.z_slot_start, latent_index=torch.full((len(batch),), k))
             torch.testing.assert_close(dec, logits[rows, last], atol=1e-5, rtol=1e-5)
         # both slots matter: changing only the second token of value 0 changes its branch
@@ -207,7 +208,7 @@ def test_discrete_multi_slot_branches_equal_loop_chunks_and_decode(hf_backbone):
         assert (explicit_nll(model, batch, ids) - out.token_nll[:, 0]).abs().max() > 1e-4
         for chunk in (1, 5):
             model.config.branch_chunk_size = chunk
-            torch.testing.assert_close(model(batch, mode="train").token_nll, out.token_nll, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model.train_forward(batch).token_nll, out.token_nll, atol=1e-5, rtol=1e-5)
 
 
 def test_discrete_multi_slot_trains_only_z_rows_tied_gpt2(hf_backbone):
@@ -219,7 +220,7 @@ def test_discrete_multi_slot_trains_only_z_rows_tied_gpt2(hf_backbone):
     rows0 = emb(all_ids).detach().clone()
     assert torch.pdist(rows0[z]).min() > 0, "every one of the K*M rows starts different"
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    objective(model(batch, mode="train")).backward()
+    objective(model.train_forward(batch)).backward()
     delta = [p for n, p in model._latent_named_parameters() if "trainable_tokens_delta" in n]
     assert len(delta) == 1 and delta[0].shape == (6, 32)
     assert (delta[0].grad.abs().sum(-1) > 0).all(), "every slot row of every latent gets a gradient"
@@ -238,7 +239,7 @@ def test_discrete_multi_slot_trains_only_z_rows_tied_gpt2(hf_backbone):
 def test_step0_router_is_uniform_and_batch_independent(hf_backbone):
     for calibrate in (True, False):  # False: lazy calibration at the first train forward
         model, batch = load(hf_backbone, "llama", calibrate=calibrate, num_latents=4)
-        out = model(batch, mode="train")
+        out = model.train_forward(batch)
         assert model.router.calibrated
         uniform = torch.full((len(batch), 4), 0.25)
         torch.testing.assert_close(out.posterior, uniform, atol=1e-6, rtol=0)
@@ -248,7 +249,7 @@ def test_step0_router_is_uniform_and_batch_independent(hf_backbone):
     # After training the heads, an example's q does not depend on its micro-batch neighbours.
     train_steps(model, batch, 2)
     with torch.no_grad():
-        full = model(batch, mode="encode").posterior_logits
+        full = model.encode(batch).posterior_logits
         part = model(batch.select([2, 0]), mode="encode").posterior_logits
     assert (full.softmax(-1) - 0.25).abs().max() > 1e-4, "the posterior should have moved"
     torch.testing.assert_close(part, full[[2, 0]], atol=1e-5, rtol=1e-5)
@@ -259,7 +260,7 @@ def test_gaussian_loads_trains_and_kl_matches_formula(hf_backbone, arch):
     model, batch = load(hf_backbone, arch, latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=2)
     B = len(batch)
     noise = torch.randn(B, 2, 4, generator=torch.Generator().manual_seed(0))
-    out = model(batch, mode="train", latent_noise=noise)
+    out = model.train_forward(batch, latent_noise=noise)
     assert out.token_nll.shape == (B, 2, int(batch.num_supervised.max()))
     torch.testing.assert_close(out.branch_weights, torch.full((B, 2), 0.5))
     assert torch.allclose(out.kl, torch.zeros(B), atol=1e-6), "KL starts at 0"
@@ -268,7 +269,7 @@ def test_gaussian_loads_trains_and_kl_matches_formula(hf_backbone, arch):
         znull = explicit_nll(model, batch, batch.z_input_ids)
     assert (out.token_nll - znull[:, None]).abs().max() < 0.5
     train_steps(model, batch, 2)
-    out = model(batch, mode="train", latent_noise=noise)
+    out = model.train_forward(batch, latent_noise=noise)
     mu, lv, pmu, plv = out.mu, out.logvar, out.prior_mu, out.prior_logvar
     hand = 0.5 * (plv - lv + (lv.exp() + (mu - pmu) ** 2) / plv.exp() - 1).sum(-1)
     assert out.kl.abs().max() > 0
@@ -277,10 +278,10 @@ def test_gaussian_loads_trains_and_kl_matches_formula(hf_backbone, arch):
     torch.testing.assert_close(out.z, mu[:, None] + (0.5 * lv).exp()[:, None] * noise)
     # the same noise gives the same branches (no hidden randomness), decode reproduces a branch row
     with torch.no_grad():
-        again = model(batch, mode="train", latent_noise=noise)
+        again = model.train_forward(batch, latent_noise=noise)
         torch.testing.assert_close(again.token_nll, out.token_nll)
         z0 = out.z[:, 0]
-        dec = model(mode="decode", input_ids=batch.z_input_ids, attention_mask=batch.z_attention_mask,
+        dec = model.decode(input_ids=batch.z_input_ids, attention_mask=batch.z_attention_mask,
                     slot_start=batch.z_slot_start, z=z0)
         assert dec.shape == (B, len(model.tokenizer)) and torch.isfinite(dec).all()
 
@@ -289,7 +290,7 @@ def test_gaussian_standard_normal_prior(hf_backbone):
     model, batch = load(hf_backbone, "llama", latent_type="continuous", latent_dim=3, learned_prior=False)
     assert not any("prior" in n for n, _ in model._latent_named_parameters())
     train_steps(model, batch, 2)
-    out = model(batch, mode="encode")
+    out = model.encode(batch)
     torch.testing.assert_close(out.kl, gaussian_kl(out.mu, out.logvar))
     assert out.token_nll is None
 
@@ -336,7 +337,7 @@ def test_bad_configuration(hf_backbone, tmp_path):
     with pytest.raises(ValueError, match="no_such_backbone"):
         ZCVAE.from_pretrained(str(missing), ModelConfig())
     with pytest.raises(ValueError, match="lora_target_modules"):
-        from zcvae.model.cvae import default_lora_targets
+        from zcvae.model.config import default_lora_targets
 
         default_lora_targets("mamba")
     model, batch = load(hf_backbone, "llama", calibrate=False, num_latents=2)
@@ -344,7 +345,28 @@ def test_bad_configuration(hf_backbone, tmp_path):
         model(batch, mode="generate")
     with pytest.raises(ValueError, match="num_z_slots"):
         model(dataclasses.replace(batch, num_z_slots=2), mode="train")
-    assert math.isfinite(float(model(batch, mode="reference")[0].sum()))
+    assert math.isfinite(float(model.reference(batch)[0].sum()))
+
+
+def test_forward_dispatches_each_mode_to_its_method(backbones):
+    """Engines call the wrapped module; ``forward(mode=...)`` must give exactly what the method gives."""
+    model, batch = load(backbones, "llama", num_latents=2)
+    model.eval()
+    with torch.no_grad():
+        for name, got in (("reference", model(batch, mode="reference")), ("encode", model(batch, mode="encode"))):
+            want = getattr(model, name)(batch)
+            want = want if name == "reference" else (want.posterior_logits, want.zfree_nll)
+            got = got if name == "reference" else (got.posterior_logits, got.zfree_nll)
+            for w, g in zip(want, got):
+                torch.testing.assert_close(g, w, atol=0, rtol=0, msg=name)
+        out = model(batch, mode="train")
+        assert out.token_nll.shape == (len(batch), 2, out.mask.shape[1])
+        torch.testing.assert_close(out.token_nll, model.train_forward(batch).token_nll, atol=0, rtol=0)
+        rows = dict(input_ids=batch.z_input_ids, attention_mask=batch.z_attention_mask, slot_start=batch.z_slot_start,
+                    latent_index=torch.ones(len(batch), dtype=torch.long))
+        torch.testing.assert_close(model(mode="decode", **rows), model.decode(**rows), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="needs a batch"):
+        model(None, mode="encode")
 
 
 def test_posterior_state_pools_the_y_span_by_hand():

@@ -17,7 +17,8 @@ import warnings
 import pytest
 import torch
 
-from zcvae.model.cvae import ZCVAE, ModelConfig
+from zcvae.model.config import ModelConfig
+from zcvae.model.cvae import ZCVAE
 
 ATOL = 1e-5
 X_LENGTHS = (1, 7, 3, 11, 5)  # ragged x: the prefix is right-padded with holes of 0..10 columns
@@ -47,7 +48,7 @@ def loss_of(out) -> torch.Tensor:
 def run(model: ZCVAE, batch, *, share: bool, **kw):
     model.config.share_x_prefix = share
     model.zero_grad(set_to_none=True)
-    out = model(batch, mode="train", **kw)
+    out = model.train_forward(batch, **kw)
     loss_of(out).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return out, grads
@@ -93,7 +94,7 @@ def test_mean_pooled_posterior_shared_prefix_equals_full_path(build, arch):
     last, _ = build(arch, num_latents=3)
     with torch.no_grad():
         # the same weights read a different state: the pooling is really in use
-        assert not torch.allclose(model(batch, mode="encode").posterior_logits, last(batch, mode="encode").posterior_logits)
+        assert not torch.allclose(model.encode(batch).posterior_logits, last.encode(batch).posterior_logits)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -128,7 +129,7 @@ def test_shared_prefix_under_gradient_checkpointing_equals_full_path(build, arch
     hooks = [m.register_forward_hook(lambda *a: calls.__setitem__(phase[0], calls[phase[0]] + 1)) for m in attention]
     try:
         model.config.share_x_prefix = True
-        out = model(batch, mode="train", **kw)
+        out = model.train_forward(batch, **kw)
         phase[0] = "backward"
         loss_of(out).backward()
     finally:
@@ -160,7 +161,7 @@ def test_positions_match_the_full_rows(build):
     try:
         with torch.no_grad():
             model.config.share_x_prefix = True
-            model(batch, mode="train")
+            model.train_forward(batch)
     finally:
         hook.remove()
     prefix_pos, router_pos, branch_pos = calls  # one prefix, one router suffix, one branch forward
@@ -182,9 +183,9 @@ def test_fallbacks_are_named_and_exact(build):
     model.config.share_x_prefix = True
     model.peft_model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert model.prefix_sharing_blocker(batch) is None, "checkpointing no longer blocks sharing"
-    out_ckpt = model(batch, mode="train")
+    out_ckpt = model.train_forward(batch)
     model.peft_model.get_base_model().gradient_checkpointing_disable()
-    torch.testing.assert_close(model(batch, mode="train").token_nll, out_ckpt.token_nll, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(model.train_forward(batch).token_nll, out_ckpt.token_nll, atol=ATOL, rtol=ATOL)
     hf = model.peft_model.get_base_model().config
     hf.sliding_window = 4
     assert "sliding-window" in model.prefix_sharing_blocker(batch)

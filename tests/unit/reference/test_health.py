@@ -156,7 +156,8 @@ def test_closure_note_only_below_the_threshold():
 
 # ------------------------------------------------------------------------------ fresh marker rows
 def _model(backbone, *, train_fresh_markers: bool):
-    from zcvae.model.cvae import ZCVAE, ModelConfig
+    from zcvae.model.config import ModelConfig
+    from zcvae.model.cvae import ZCVAE
 
     return ZCVAE.from_pretrained(str(backbone), ModelConfig(num_latents=2, lora_r=4, train_fresh_markers=train_fresh_markers))
 
@@ -187,7 +188,7 @@ def _train(model, batch, steps: int = 3):
     opt = torch.optim.AdamW(groups)
     for _ in range(steps):
         opt.zero_grad()
-        out = model(batch, mode="train")
+        out = model.train_forward(batch)
         mean_nll_BK = (out.token_nll * out.mask[:, None]).sum(-1) / out.mask.sum(-1, keepdim=True)
         ((out.branch_weights * mean_nll_BK).sum(-1) + out.kl).mean().backward()
         opt.step()

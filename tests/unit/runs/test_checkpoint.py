@@ -18,7 +18,8 @@ import torch
 
 from zcvae.runs.checkpoint import COMPLETE, CheckpointManager, checkpoint_dirs, load_trainable_state, resolve_checkpoint
 from zcvae.engines import EngineConfig, build_engine
-from zcvae.model.cvae import ModelConfig, ZCVAE
+from zcvae.model.config import ModelConfig
+from zcvae.model.cvae import ZCVAE
 from zcvae.templates import EncodedExample, collate
 
 C_BASE = {"value": 0.5, "mode": "mean", "fingerprint": "abc123", "source": "validation"}

@@ -41,7 +41,7 @@ def _model_and_batches(backbone, *, checkpointing: bool):
 def _terms(cfg, model, batch):
     from zcvae.core.objective import AuxiliaryWeights, per_example_objective
 
-    out = model(batch, mode="train")
+    out = model.train_forward(batch)
     # any detached, positive z-free NLL will do for the probe: a fixed one per batch
     ref_nll_BN = torch.rand(out.mask.shape, generator=torch.Generator().manual_seed(int(batch.input_ids.sum()))) + 0.1
     return per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=1.5, recon_config=cfg.reconstruction_config(),

@@ -1,0 +1,229 @@
+"""Building the pieces of a :class:`~zcvae.model.cvae.ZCVAE` from a local Hugging Face directory:
+the files check, tokenizer, backbone, new embedding rows, LoRA and the router heads.
+
+``ZCVAE.from_pretrained`` calls these steps in order; ``zcvae pretrain`` reuses the file check, the
+dropout switch and the row initialisation for the entangled stage.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+
+import torch
+from torch import nn
+
+from zcvae.core.latent import DiscreteRouter, GaussianRouter, SoftPromptProjection
+from zcvae.model.config import ModelConfig, default_lora_targets
+from zcvae.templates import ZNULL, TemplateTokens, missing_markers, prepare_tokenizer
+
+__all__ = [
+    "attach_lora",
+    "build_heads",
+    "check_backbone_dir",
+    "check_backbone_files",
+    "decoder_matches_lm",
+    "disable_dropout",
+    "init_new_rows",
+    "load_backbone",
+    "load_tokenizer",
+    "resize_and_init_rows",
+    "trainable_token_indices",
+]
+
+
+def check_backbone_files(backbone_dir: str) -> None:
+    """ValueError naming the file when the backbone's config.json is not JSON or its safetensors
+    weights are missing (transformers would raise deep inside, or look for other formats)."""
+    path = os.path.join(backbone_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"backbone file {path!r} is not valid JSON: {err}") from None
+    names = ("model.safetensors", "model.safetensors.index.json")
+    if not any(os.path.isfile(os.path.join(backbone_dir, n)) for n in names):
+        raise ValueError(f"backbone_dir {backbone_dir!r} has no {names[0]} (nor {names[1]}): zcvae loads safetensors weights only")
+
+
+def check_backbone_dir(backbone_dir) -> str:
+    """``backbone_dir`` as a str once it is a Hugging Face model directory with readable files."""
+    backbone_dir = os.fspath(backbone_dir)
+    if not os.path.isdir(backbone_dir):
+        raise ValueError(f"backbone_dir {backbone_dir!r} is not a directory")
+    if not os.path.isfile(os.path.join(backbone_dir, "config.json")):
+        raise ValueError(f"backbone_dir {backbone_dir!r} has no config.json (not a Hugging Face model directory)")
+    check_backbone_files(backbone_dir)
+    return backbone_dir
+
+
+def load_tokenizer(backbone_dir: str, config: ModelConfig):
+    """The directory's tokenizer with the markers and K*M latent tokens added
+    -> (tokenizer, tokens, vocab_before: the vocabulary as the backbone knew it)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(backbone_dir, local_files_only=True, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"backbone_dir {backbone_dir!r}: its tokenizer files could not be read: {err}") from None
+    vocab_before = tokenizer.get_vocab()
+    num_latent_tokens = config.num_latents if config.latent_type == "discrete" else 0
+    tokens = prepare_tokenizer(tokenizer, num_latents=num_latent_tokens, num_z_slots=config.num_z_slots)
+    return tokenizer, tokens, vocab_before
+
+
+def load_backbone(backbone_dir: str, config: ModelConfig) -> nn.Module:
+    """The causal LM (``local_files_only``, safetensors only), its dropout off per ``config``, no KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            backbone_dir, local_files_only=True, use_safetensors=True, trust_remote_code=config.trust_remote_code, dtype=dtype
+        )
+    except Exception as err:  # noqa: BLE001 - safetensors/transformers raise several types for a bad file
+        raise ValueError(f"backbone_dir {backbone_dir!r}: its weights (model.safetensors) could not be loaded: {type(err).__name__}: {err}") from None
+    if config.disable_backbone_dropout:
+        disable_dropout(model)
+    model.config.use_cache = False
+    return model
+
+
+def disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        # Llama-style attention passes a float attribute to the attention kernel instead of a module.
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def resize_and_init_rows(model: nn.Module, tokenizer, *, tokens: TemplateTokens, vocab_before: dict, noise: float, generator: torch.Generator) -> float:
+    """Resize the embeddings to the tokenizer *before* any wrapping (ZeRO-3 copies rows only inside a
+    gather) and initialise the new rows (``init_new_rows``); return the z-noise norm scale."""
+    added = sorted(i for t, i in tokenizer.get_vocab().items() if t not in vocab_before)
+    old_rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > old_rows:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    return init_new_rows(
+        model, tokens=tokens, added=added, old_rows=old_rows, had_znull=ZNULL in vocab_before, noise=noise, generator=generator
+    )
+
+
+@torch.no_grad()
+def init_new_rows(
+    model: nn.Module,
+    *,
+    tokens: TemplateTokens,
+    added: list[int],
+    old_rows: int,
+    had_znull: bool,
+    noise: float,
+    generator: torch.Generator,
+) -> float:
+    """Initialise the rows of newly added tokens; return the norm scale used for z noise.
+
+    z rows: ``<znull>`` row + noise when the backbone already knew ``<znull>`` (it was pretrained
+    with ``<znull>`` in the slot, so z_k starts as "no latent" and the decoder is not disturbed);
+    otherwise the mean embedding + noise. The noise has norm ``noise`` x the base row's norm
+    (x the mean row norm for the mean embedding), in a random direction, so the K rows differ and
+    the branches give the router distinct gradients from step 0. Other new markers (a backbone
+    that lacked them) get the mean embedding; they train only with ``train_fresh_markers``. New
+    rows of an untied output head get the mean output row, so no new token is favoured.
+    """
+    emb = model.get_input_embeddings().weight  # (V, H)
+    base_rows = emb[:old_rows].float()
+    mean_row = base_rows.mean(0)
+    if had_znull:
+        base, scale = emb[tokens.znull].float().clone(), float(emb[tokens.znull].float().norm())
+    else:
+        base, scale = mean_row, float(base_rows.norm(dim=1).mean())
+    latents = set(tokens.latents)
+    for row in added:
+        if row in latents:
+            direction = torch.randn(emb.shape[1], generator=generator)
+            value = base + noise * scale * direction / direction.norm().clamp_min(1e-12)
+        else:
+            value = mean_row
+        emb[row] = value.to(emb.dtype)
+    out_emb = model.get_output_embeddings()
+    if out_emb is not None and out_emb.weight.data_ptr() != emb.data_ptr() and out_emb.weight.shape[0] > old_rows:
+        w = out_emb.weight
+        w[old_rows:] = w[:old_rows].float().mean(0).to(w.dtype)
+        bias = getattr(out_emb, "bias", None)
+        if bias is not None:
+            bias[old_rows:] = bias[:old_rows].float().mean().to(bias.dtype)
+    return scale
+
+
+def trainable_token_indices(model: nn.Module, *, latents: tuple[int, ...], fresh_markers: list[int]) -> list[int] | dict | None:
+    """peft ``trainable_token_indices``: the z rows, plus the rows of ``fresh_markers``.
+
+    The markers are predicted (``</y>`` is supervised), so their output-head rows must train too. A
+    tied head follows the input rows (peft ties its trainable-token layer to the embedding's); an
+    untied head gets its own trainable tokens for the markers only (z tokens are never predicted).
+    """
+    if not fresh_markers:
+        return list(latents) if latents else None
+    rows = [*latents, *fresh_markers]
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight.data_ptr() == emb.weight.data_ptr():
+        return rows
+    names = {id(m): n for n, m in model.named_modules()}
+    return {names[id(emb)]: rows, names[id(head)]: list(fresh_markers)}
+
+
+def attach_lora(model: nn.Module, config: ModelConfig, *, tokenizer, tokens: TemplateTokens, vocab_before: dict, seed: int) -> nn.Module:
+    """peft LoRA on the attention projections, with ``trainable_token_indices`` = the z rows (and,
+    with ``train_fresh_markers``, the markers the backbone lacked), so only those rows train (a small
+    delta parameter; the matrix itself stays frozen, so every other row is bitwise unchanged, weight
+    decay included). LoRA A is drawn from ``seed``, not from the global RNG state."""
+    from peft import LoraConfig, get_peft_model
+
+    model_type = getattr(model.config, "model_type", "")
+    vocab = tokenizer.get_vocab()
+    fresh = [vocab[t] for t in missing_markers(vocab_before)] if config.train_fresh_markers else []
+    lora = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.lora_target_modules or default_lora_targets(model_type),
+        fan_in_fan_out=model_type == "gpt2",  # GPT-2 uses Conv1D (transposed weights)
+        trainable_token_indices=trainable_token_indices(model, latents=tokens.latents, fresh_markers=fresh),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # LoRA A matrices are drawn from the global RNG inside peft
+        return get_peft_model(model, lora)
+
+
+def build_heads(hidden: int, config: ModelConfig, *, z_scale: float, generator: torch.Generator) -> tuple[nn.Module, nn.Module | None]:
+    """The router (posterior and prior heads) and, for the Gaussian latent, the soft-prompt
+    projection, initialised to offsets of ``z_init_noise`` x ``z_scale`` -> (router, projection)."""
+    if config.latent_type == "discrete":
+        return DiscreteRouter(hidden, config.num_latents), None
+    router = GaussianRouter(hidden, config.latent_dim, learned_prior=config.learned_prior)
+    projection = SoftPromptProjection(config.latent_dim, config.num_z_slots, hidden)
+    projection.reset_parameters(init_scale=config.z_init_noise * z_scale, generator=generator)
+    return router, projection
+
+
+def decoder_matches_lm(peft_model: nn.Module, *, probe_ids: torch.Tensor, forward_params: frozenset[str]) -> bool:
+    """Whether the LM's logits are exactly ``head(decoder(...).last_hidden_state)``, with the decoder
+    (``base_model``: the model without its LM head) taking the cache and position arguments that the
+    shared prefix passes the LM (``forward_params``, the LM forward's).
+
+    No logit soft-capping in the config, and the head on the decoder's output equals the LM's logits
+    on ``probe_ids`` (1, 3). Models that scale or cap their logits after the head fail the check and
+    keep the full-logits path."""
+    hf = peft_model.get_base_model()
+    decoder, head = getattr(hf, "base_model", hf), hf.get_output_embeddings()
+    if decoder is hf or head is None or getattr(hf.config, "final_logit_softcapping", None) is not None:
+        return False
+    if not (forward_params & {"cache", "past_key_values", "position_ids"}) <= set(inspect.signature(decoder.forward).parameters):
+        return False
+    with torch.no_grad():
+        full = peft_model(input_ids=probe_ids, use_cache=False, return_dict=True).logits
+        mine = head(decoder(input_ids=probe_ids, use_cache=False, return_dict=True).last_hidden_state)
+    return full.shape == mine.shape and torch.allclose(mine.float(), full.float(), rtol=1e-6, atol=1e-6)

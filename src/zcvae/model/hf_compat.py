@@ -1,0 +1,186 @@
+"""Every place where zcvae relies on transformers' or peft's internals, and nowhere else.
+
+A transformers or peft upgrade that changes one of these breaks ``tests/unit/test_hf_compat.py``
+first, with a message naming the upstream assumption. What is relied on:
+
+peft
+    ``BaseTunerLayer._disable_adapters``: the per-layer flag that makes a LoRA / trainable-token layer
+    pass its input through (``adapters_disabled``).
+    ``trainable_tokens_delta``: the name of the parameter that holds the trained rows of a
+    ``trainable_token_indices`` layer (``TRAINABLE_TOKENS_DELTA``).
+transformers
+    ``Cache(layer_class_to_replicate=...)`` / ``Cache(layers=...)`` and ``DynamicLayer``'s
+    ``keys``, ``values``, ``device``, ``is_initialized`` and ``update`` (``replay_safe_cache``).
+    ``GradientCheckpointingLayer`` with its ``gradient_checkpointing`` and ``_can_checkpoint_with_cache``
+    flags, and the ``gradient_checkpointing`` flag some decoders (GPT-2) keep themselves
+    (``enable_layer_checkpointing``, ``cache_through_checkpointing``, ``layer_checkpointing_off``,
+    ``checkpointing_layers``).
+    The cache keyword's name: ``cache`` from transformers 5.2x, ``past_key_values`` before
+    (``cache_kwarg``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = [
+    "TRAINABLE_TOKENS_DELTA",
+    "adapters_disabled",
+    "cache_kwarg",
+    "cache_through_checkpointing",
+    "checkpointing_layers",
+    "enable_layer_checkpointing",
+    "forward_parameter_names",
+    "layer_checkpointing_active",
+    "layer_checkpointing_off",
+    "recorded_kv",
+    "replay_safe_cache",
+]
+
+# peft names the trained rows of a trainable-token layer `<layer>.trainable_tokens_delta.<adapter>`.
+TRAINABLE_TOKENS_DELTA = "trainable_tokens_delta"
+
+
+@contextlib.contextmanager
+def adapters_disabled(peft_model: nn.Module) -> Iterator[None]:
+    """Run the base model: every peft tuner layer (LoRA, trainable tokens) passes its input through.
+
+    Unlike ``PeftModel.disable_adapter()``, this flips only the layers' ``_disable_adapters`` flags and
+    never ``requires_grad``: peft's context sets ``requires_grad=False`` on the adapter weights and back
+    to True on exit, which under ZeRO-3 broke gradient accumulation of the partitioned trainable-token
+    delta ("expand(... size=[0])" in backward) and under FSDP2 toggled the unsharded copies.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer)]
+    previous = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, previous):
+            m._disable_adapters = flag
+
+
+def replay_safe_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """A Hugging Face cache whose ``update`` never changes what a later ``update`` returns, so that a
+    checkpointed layer replayed in the backward sees exactly what its forward saw.
+
+    ``kv`` None (the prefix pass): each layer records the keys/values it is given and returns them
+    unchanged (no past; a replay records equal tensors again). ``kv`` given (a suffix pass): each
+    layer returns ``cat(prefix, new)`` and stores nothing. A plain DynamicCache appends, so a replay
+    would attend over the prefix twice; that is why transformers drops writable caches inside
+    checkpointed layers.
+    """
+    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+    class ReplaySafeLayer(DynamicLayer):
+        def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+            super().__init__()
+            self.record = keys is None
+            if keys is not None:
+                self.keys, self.values, self.device, self.is_initialized = keys, values, keys.device, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if self.record:
+                self.keys, self.values, self.device, self.is_initialized = key_states, value_states, key_states.device, True
+                return key_states, value_states
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    class ReplaySafeCache(DynamicCache):
+        def __init__(self) -> None:  # DynamicCache's own __init__ would build appending layers
+            if kv is None:
+                Cache.__init__(self, layer_class_to_replicate=ReplaySafeLayer)
+            else:
+                Cache.__init__(self, layers=[ReplaySafeLayer(k, v) for k, v in kv])
+
+    return ReplaySafeCache()
+
+
+def recorded_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) that a recording ``replay_safe_cache()`` saw, in layer order."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@contextlib.contextmanager
+def cache_through_checkpointing(hf: nn.Module) -> Iterator[None]:
+    """Let the replay-safe cache reach checkpointed layers during one shared-prefix forward.
+
+    transformers' ``GradientCheckpointingLayer`` drops a cache argument unless the layer sets
+    ``_can_checkpoint_with_cache`` (meant for layers that only read the cache, which is what a
+    replay-safe cache makes every layer); some models (GPT-2) also drop it in the decoder when their
+    own ``gradient_checkpointing`` flag is on, although the layers do the checkpointing. Both are
+    switched for the duration of the call only, so other callers (generate, a plain DynamicCache)
+    keep transformers' protection. The layers themselves still checkpoint.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    changed = []
+    for m in hf.modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            if m.gradient_checkpointing and not m._can_checkpoint_with_cache:
+                changed.append((m, "_can_checkpoint_with_cache"))
+                m._can_checkpoint_with_cache = True
+        elif getattr(m, "gradient_checkpointing", False) is True:
+            changed.append((m, "gradient_checkpointing"))
+            m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m, name in changed:
+            if name == "_can_checkpoint_with_cache":
+                del m._can_checkpoint_with_cache  # back to the class attribute
+            else:
+                m.gradient_checkpointing = True
+
+
+def enable_layer_checkpointing(model: nn.Module) -> None:
+    """Hugging Face's per-layer activation checkpointing, non-reentrant: it works with inputs that do
+    not require grad and with the no-grad reference pass between training forwards (checked on CPU
+    for ZeRO-2/3 and FSDP2)."""
+    # transformers 5.x deprecates this name for `activation_checkpointing_enable` (gone in v6)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextlib.contextmanager
+def layer_checkpointing_off(hf: nn.Module) -> Iterator[None]:
+    """Switch Hugging Face's per-layer checkpointing off for one branch chunk that is itself
+    checkpointed (its recompute runs inside this context too, so both see the same layers)."""
+    changed = [m for m in hf.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in changed:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in changed:
+            m.gradient_checkpointing = True
+
+
+def layer_checkpointing_active(hf: nn.Module) -> bool:
+    """Whether a forward of ``hf`` now would checkpoint its layers (flag on, module in train mode)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in hf.modules())
+
+
+def checkpointing_layers(hf: nn.Module) -> bool:
+    """Whether ``hf``'s checkpointing is done by transformers' ``GradientCheckpointingLayer``s (the
+    only checkpointing that ``cache_through_checkpointing`` can let a cache through)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return any(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing for m in hf.modules())
+
+
+def forward_parameter_names(module: nn.Module) -> frozenset[str]:
+    """Parameter names of ``module.forward`` (call it once: inspect is slow per step)."""
+    return frozenset(inspect.signature(module.forward).parameters)
+
+
+def cache_kwarg(forward_params: frozenset[str]) -> str:
+    """The keyword that passes a cache to a forward with these parameter names."""
+    # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes in 5.40).
+    return "cache" if "cache" in forward_params else "past_key_values"

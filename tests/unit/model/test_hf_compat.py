@@ -1,0 +1,156 @@
+"""One test per transformers / peft internal that ``zcvae.model.hf_compat`` relies on.
+
+After an upgrade these fail first, and each failure message names the upstream assumption that
+broke, so the fix starts in ``model/hf_compat.py`` rather than in a wrong loss far away.
+Shape legend: B rows, T tokens, P prefix columns, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zcvae.model import hf_compat
+
+V = 40
+
+
+def _ids(B: int = 2, T: int = 9, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _peft(lm, *, trainable_tokens: list[int] | None = None):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                        trainable_token_indices=trainable_tokens)
+    model = get_peft_model(lm, config)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:  # LoRA B starts at zero: move every adapter away from a no-op
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def test_peft_tuner_layers_pass_through_when_disable_adapters_is_set(tiny_llama):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    ids = _ids()
+    lm = tiny_llama(V)
+    with torch.no_grad():
+        base_VT = lm(input_ids=ids).logits
+    model = _peft(lm, trainable_tokens=[3, 5])
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers and all(hasattr(m, "_disable_adapters") for m in layers), (
+        "peft: BaseTunerLayer no longer has the `_disable_adapters` flag that adapters_disabled flips"
+    )
+    trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with hf_compat.adapters_disabled(model):
+            disabled = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    assert not torch.allclose(adapted, base_VT), "the perturbed adapters must change the logits"
+    assert torch.equal(disabled, base_VT), (
+        "peft: a tuner layer with `_disable_adapters = True` no longer passes its input through "
+        "(LoRA or trainable tokens still act), so the reference pass would not be the frozen backbone"
+    )
+    assert torch.equal(again, adapted), "adapters_disabled did not restore the `_disable_adapters` flags"
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == trainable, "adapters_disabled must never touch requires_grad"
+
+
+def test_peft_names_the_trainable_token_rows_trainable_tokens_delta(tiny_llama):
+    model = _peft(tiny_llama(V), trainable_tokens=[3, 5])
+    names = [n for n, p in model.named_parameters() if p.requires_grad and hf_compat.TRAINABLE_TOKENS_DELTA in n]
+    assert names, (
+        f"peft: no trainable parameter named '*{hf_compat.TRAINABLE_TOKENS_DELTA}*' for trainable_token_indices; "
+        "the z rows would fall out of the 'latent' optimizer group"
+    )
+    assert all(p.shape[0] == 2 for n, p in model.named_parameters() if n in names), "one delta row per trainable token"
+
+
+def test_replay_safe_cache_records_the_prefix_and_extends_it_without_appending(tiny_llama):
+    lm = tiny_llama(V)
+    ids_BT, P = _ids(), 4
+    T = ids_BT.shape[1]
+    params = hf_compat.forward_parameter_names(lm)
+    assert "position_ids" in params and hf_compat.cache_kwarg(params) in params, (
+        f"transformers: {type(lm).__name__}.forward takes no `position_ids` or no `cache`/`past_key_values`"
+    )
+    key = hf_compat.cache_kwarg(params)
+    with torch.no_grad():
+        full_BTV = lm(input_ids=ids_BT).logits
+        record = hf_compat.replay_safe_cache()
+        lm(input_ids=ids_BT[:, :P], use_cache=True, **{key: record})
+        kv = hf_compat.recorded_kv(record)
+        assert len(kv) == lm.config.num_hidden_layers and all(k.shape[-2] == P for k, _ in kv), (
+            "transformers: Cache(layer_class_to_replicate=...) no longer builds one recording DynamicLayer per "
+            "layer, or DynamicLayer.update no longer receives each layer's keys/values"
+        )
+        positions = torch.arange(P, T)[None].expand(ids_BT.shape[0], -1)
+        suffix = [lm(input_ids=ids_BT[:, P:], position_ids=positions, use_cache=True, **{key: hf_compat.replay_safe_cache(kv)}).logits
+                  for _ in range(2)]
+    torch.testing.assert_close(suffix[0], full_BTV[:, P:], atol=1e-5, rtol=1e-5,
+                               msg="transformers: a suffix forward on Cache(layers=[...]) no longer attends over the given prefix keys/values")
+    assert torch.equal(suffix[0], suffix[1]), "the suffix cache changed between calls: a checkpoint replay would see another past"
+
+
+@pytest.fixture
+def checkpointed_llama(tiny_llama):
+    lm = tiny_llama(V).train()
+    hf_compat.enable_layer_checkpointing(lm)
+    return lm
+
+
+def test_checkpointing_flags_are_where_hf_compat_reads_them(checkpointed_llama):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    lm = checkpointed_llama
+    layers = [m for m in lm.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert layers, "transformers: LlamaDecoderLayer is no longer a GradientCheckpointingLayer"
+    assert all(m.gradient_checkpointing is True for m in layers), (
+        "transformers: gradient_checkpointing_enable() no longer sets `gradient_checkpointing = True` on the layers"
+    )
+    assert GradientCheckpointingLayer._can_checkpoint_with_cache is False, (
+        "transformers: GradientCheckpointingLayer._can_checkpoint_with_cache is gone or no longer False by default"
+    )
+    assert hf_compat.layer_checkpointing_active(lm) and hf_compat.checkpointing_layers(lm)
+    assert not hf_compat.layer_checkpointing_active(lm.eval()), "eval mode does not checkpoint"
+    lm.train()
+    with hf_compat.layer_checkpointing_off(lm):
+        assert not hf_compat.layer_checkpointing_active(lm)
+    assert all(m.gradient_checkpointing is True for m in layers), "layer_checkpointing_off did not restore the flags"
+
+
+def test_the_cache_reaches_checkpointed_layers_and_the_backward_is_exact(tiny_llama, checkpointed_llama):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    ids_BT, P = _ids(), 5
+    key = hf_compat.cache_kwarg(hf_compat.forward_parameter_names(checkpointed_llama))
+
+    def loss_and_grads(lm):
+        lm.zero_grad(set_to_none=True)
+        record = hf_compat.replay_safe_cache()
+        with hf_compat.cache_through_checkpointing(lm):
+            lm(input_ids=ids_BT[:, :P], use_cache=True, **{key: record})
+            kv = hf_compat.recorded_kv(record)
+            positions = torch.arange(P, ids_BT.shape[1])[None].expand(ids_BT.shape[0], -1)
+            out = lm(input_ids=ids_BT[:, P:], position_ids=positions, use_cache=True, **{key: hf_compat.replay_safe_cache(kv)})
+        loss = out.logits.float().logsumexp(-1).sum()
+        loss.backward()
+        return len(kv), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+    num_layers, ckpt = loss_and_grads(checkpointed_llama)
+    assert num_layers == checkpointed_llama.config.num_hidden_layers, (
+        "transformers: a checkpointed layer dropped the cache although `_can_checkpoint_with_cache` was set "
+        "(cache_through_checkpointing no longer lets the replay-safe cache through)"
+    )
+    assert all("_can_checkpoint_with_cache" not in vars(m) for m in checkpointed_llama.modules() if isinstance(m, GradientCheckpointingLayer)), (
+        "cache_through_checkpointing left the instance flag behind"
+    )
+    _, plain = loss_and_grads(tiny_llama(V).train())
+    assert plain.keys() == ckpt.keys() and plain
+    for name, g in plain.items():
+        torch.testing.assert_close(ckpt[name], g, atol=1e-5, rtol=1e-5,
+                                   msg=f"{name}: the checkpoint replay through the shared cache changed the gradient")
