@@ -348,9 +348,9 @@ def test_bad_configuration(hf_backbone, tmp_path):
     assert math.isfinite(float(model.reference(batch)[0].sum()))
 
 
-def test_forward_dispatches_each_mode_to_its_method(backbones):
+def test_forward_dispatches_each_mode_to_its_method(hf_backbone):
     """Engines call the wrapped module; ``forward(mode=...)`` must give exactly what the method gives."""
-    model, batch = load(backbones, "llama", num_latents=2)
+    model, batch = load(hf_backbone, "llama", num_latents=2)
     model.eval()
     with torch.no_grad():
         for name, got in (("reference", model(batch, mode="reference")), ("encode", model(batch, mode="encode"))):
