@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from zcvae.commands.sweep import load_family, local_plan, stage_status, validate_family
+from zcvae.sweep.family import load_family, local_plan, stage_status, validate_family
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,12 +58,96 @@ def test_a_backbone_in_base_and_a_stage_are_refused():
         validate_family(fam)
 
 
-def test_slurm_rendering_refuses_a_stage_it_cannot_chain(tmp_path):
+def _fake_sbatch(tmp_path):
+    """`sbatch` for a machine without SLURM: logs its arguments, answers `--parsable` with "<id>;cluster"."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "sbatch"
+    script.write_text('#!/bin/bash\necho "$*" >> "$SBATCH_LOG"\nn=$(wc -l < "$SBATCH_LOG")\n'
+                      'if [[ "$1" == --parsable ]]; then echo "$((4000 + n));cl"; else echo "Submitted batch job $((4000 + n))"; fi\n')
+    script.chmod(0o755)
+    return bin_dir
+
+
+def test_slurm_renders_the_stage_as_a_job_the_runs_depend_on(tmp_path):
+    """One job script per stage (`zcvae pretrain ... --resume auto` into the runs' backbone), every run's job
+    submitted with afterok on it by submit.sh, and both kinds in the manifest, stages first."""
+    from zcvae.commands.cli import build_parser
+    from zcvae.commands.sweep import main
+    from zcvae.sweep.flags import parse_train_flags
+    from zcvae.sweep.slurm import recover_params, recover_train_args
+
+    fam = family()
+    fam["base"]["output_dir"] = "/scratch/study"
+    fam["grid"]["task"] = ["copy", "sort"]
+    fam["slurm"] = {"nodes": 2, "gpus_per_node": 4, "engine": "fsdp2"}
+    path = tmp_path / "f.yaml"
+    path.write_text(yaml.safe_dump(fam))
+    out = tmp_path / "out"
+    assert main([str(path), "--out", str(out), "--dry-run"]) == 0
+    assert not out.exists()
+    assert main([str(path), "--out", str(out)]) == 0
+
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["stage"] * 2 + ["run"] * 8
+    stages = {r["stage"]: r for r in records[:2]}
+    assert sorted(stages) == ["entangled-copy", "entangled-sort"]
+    for task in ("copy", "sort"):
+        stage = stages[f"entangled-{task}"]
+        assert stage["script"] == f"entangled-{task}.sbatch"
+        assert stage["params"] == {"backbone": "smollm2", "max_steps": 5, "task": task, "output_dir": f"/scratch/study/entangled-{task}"}
+        text = (out / stage["script"]).read_text()
+        assert recover_params(text) == stage["params"]
+        assert '-m zcvae pretrain "${TRAIN_ARGS[@]}"' in text and "#SBATCH --job-name=zcvae-entangled-" + task in text
+        assert "#SBATCH --nodes=2" in text and "#SBATCH --requeue" in text
+        args = recover_train_args(text)
+        assert args[-2:] == ["--resume", "auto"]
+        assert parse_train_flags(args) == {"backbone": "smollm2", "max_steps": "5", "task": task,
+                                           "output_dir": f"/scratch/study/entangled-{task}", "resume": "auto"}
+        parsed = build_parser().parse_args(["pretrain", *args])  # the real `zcvae pretrain` flags
+        assert (parsed.backbone, parsed.task, parsed.resume, parsed.max_steps) == ("smollm2", task, "auto", 5)
+    runs = records[2:]
+    for run in runs:
+        task = run["params"]["task"]
+        assert run["after"] == f"entangled-{task}.sbatch"
+        assert run["params"]["backbone"] == f"/scratch/study/entangled-{task}"
+        flags = parse_train_flags(recover_train_args((out / run["script"]).read_text()))
+        assert flags["backbone"] == f"/scratch/study/entangled-{task}" and flags["resume"] == "auto"
+        assert "backbone" not in run["run_name"]  # named as without the stage
+
+    # submit.sh, with an sbatch that records what it was asked: stages first, each run after its own stage
+    log = tmp_path / "sbatch.log"
+    env = {**os.environ, "PATH": f"{_fake_sbatch(tmp_path)}:{os.environ['PATH']}", "SBATCH_LOG": str(log)}
+    result = subprocess.run(["bash", str(out / "submit.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    assert calls[:2] == ["--parsable entangled-copy.sbatch", "--parsable entangled-sort.sbatch"]
+    job_of = {"copy": "4001", "sort": "4002"}  # the fake's ids, with ";cl" stripped by submit.sh
+    assert sorted(calls[2:]) == sorted(f"--dependency=afterok:{job_of[r['params']['task']]} {r['script']}" for r in runs)
+
+
+def test_slurm_without_a_stage_submits_every_run_at_once(tmp_path):
+    from zcvae.commands.sweep import main
+
+    fam = {k: v for k, v in family().items() if k != "pretrain"}
+    path = tmp_path / "f.yaml"
+    path.write_text(yaml.safe_dump(fam))
+    assert main([str(path), "--out", str(tmp_path / "out")]) == 0
+    records = [json.loads(line) for line in (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in records} == {"run"} and {r["after"] for r in records} == {None}
+    submit = (tmp_path / "out" / "submit.sh").read_text()
+    assert "--dependency" not in submit and "--parsable" not in submit
+    assert sorted(line for line in submit.splitlines() if line.startswith("sbatch ")) == sorted(f"sbatch {r['script']}" for r in records)
+
+
+def test_slurm_refuses_a_stage_that_zcvae_pretrain_would_refuse(tmp_path, capsys):
     from zcvae.commands.sweep import main
 
     path = tmp_path / "f.yaml"
-    path.write_text(yaml.safe_dump(family()))
-    assert main([str(path), "--out", str(tmp_path / "out"), "--dry-run"]) == 2
+    path.write_text(yaml.safe_dump(family(max_steps=0)))
+    assert main([str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "pretrain (the stage in" in err and "max_steps" in err, err
     assert not (tmp_path / "out").exists()
 
 
