@@ -27,7 +27,7 @@ C_BASE = {"value": 0.5, "mode": "mean", "fingerprint": "abc123", "source": "vali
 def make_backbone(directory: Path) -> Path:
     from transformers import LlamaForCausalLM
 
-    from zcvae.backbone.pretraining import tiny_llama_config
+    from zcvae.backbone.stage_model import tiny_llama_config
     from zcvae.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer()

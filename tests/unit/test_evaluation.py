@@ -342,7 +342,7 @@ def one_thread():
 def setup(tmp_path_factory):
     from transformers import LlamaForCausalLM
 
-    from zcvae.backbone.pretraining import tiny_llama_config
+    from zcvae.backbone.stage_model import tiny_llama_config
     from zcvae.config import TrainConfig
     from zcvae.data import build_tokenizer, get_task, make_examples
     from zcvae.templates import encode_examples

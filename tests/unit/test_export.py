@@ -30,7 +30,7 @@ X, Y = "3 1 4 1", "rev 1 4 1 3 = 3 1 4 1 ."
 def make_backbone(directory: Path, *, hidden_size: int = 32) -> Path:
     from transformers import LlamaForCausalLM
 
-    from zcvae.backbone.pretraining import tiny_llama_config
+    from zcvae.backbone.stage_model import tiny_llama_config
     from zcvae.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer()

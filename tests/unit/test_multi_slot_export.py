@@ -23,7 +23,7 @@ X = "3 1 4 1"
 def make_backbone(directory: Path) -> Path:
     from transformers import LlamaForCausalLM
 
-    from zcvae.backbone.pretraining import tiny_llama_config
+    from zcvae.backbone.stage_model import tiny_llama_config
     from zcvae.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer()

@@ -152,7 +152,8 @@ def test_slurm_refuses_a_stage_that_zcvae_pretrain_would_refuse(tmp_path, capsys
 
 
 def test_stage_status_reuses_only_a_stage_built_with_the_same_settings(tmp_path, raw_tiny_backbone):
-    from zcvae.backbone.pretraining import PretrainConfig, pretrain
+    from zcvae.backbone.pretraining import pretrain
+    from zcvae.backbone.stage_config import PretrainConfig
 
     stage = {"backbone": str(raw_tiny_backbone()), "task": "copy", "output_dir": str(tmp_path / "entangled-copy"),
              "max_steps": 2, "batch_size": 4, "num_train_examples": 32, "num_val_examples": 8, "num_decode_examples": 0,

@@ -167,7 +167,8 @@ def _run_and_tabulate(runs, *, jobs: int, quick: bool, out: Path, started: float
 
 def run_demo(*, output_dir: str = "runs/demo", quick: bool = False, seeds: int = 1, jobs: int | None = None,
              backbone: str | None = None, log=print) -> str:
-    from zcvae.backbone.pretraining import PretrainConfig, is_pretrained, pretrain
+    from zcvae.backbone.pretraining import pretrain
+    from zcvae.backbone.stage_config import PretrainConfig, is_pretrained
     from zcvae.data import DEFAULT_TASK
     from zcvae.sweep.family import local_plan
 

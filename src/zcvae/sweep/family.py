@@ -207,7 +207,7 @@ def validate_pretrain_block(block: Any, *, base: Mapping[str, Any]) -> None:
         return
     if not isinstance(block, Mapping) or not block:
         raise ValueError("pretrain: must be a non-empty mapping of `zcvae pretrain` fields (e.g. backbone, max_steps)")
-    from zcvae.backbone.pretraining import PretrainConfig
+    from zcvae.backbone.stage_config import PretrainConfig
 
     known = {f.name for f in dataclasses.fields(PretrainConfig)}
     for key in block:
@@ -258,7 +258,7 @@ _STAGE_RUN_CONTROL = ("output_dir", "resume", "progress_bar", "log_every", "save
 def stage_status(stage: Mapping[str, Any]) -> str:
     """``finished``, ``to run``, or ValueError when a finished stage in that directory was built with
     other settings (reusing it would hand the runs a backbone the family does not describe)."""
-    from zcvae.backbone.pretraining import SUMMARY_FILE, PretrainConfig, is_pretrained
+    from zcvae.backbone.stage_config import SUMMARY_FILE, PretrainConfig, is_pretrained
 
     directory = Path(stage["output_dir"])
     if not is_pretrained(directory):
@@ -418,7 +418,7 @@ def check_run_configs(runs: Sequence[Run]) -> None:
                 get_task(run.params["task"])
         except ValueError as err:
             raise ValueError(f"run {run.name}: {err}") from None
-    from zcvae.backbone.pretraining import PretrainConfig
+    from zcvae.backbone.stage_config import PretrainConfig
 
     for directory, stage in stages_of(runs).items():
         try:

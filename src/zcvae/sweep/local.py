@@ -46,7 +46,7 @@ def prebuild_backbones(runs: Sequence[Run], log: Callable[[str], None]) -> None:
     task, reused when finished with the same settings; each a ``zcvae pretrain`` process, as its SLURM job
     is) and the cached built-in backbone of every other task, so that parallel runs do not race to build
     the same directory."""
-    from zcvae.backbone.pretraining import builtin_backbone
+    from zcvae.backbone.builtin import builtin_backbone
     from zcvae.loop.guards import EXIT_PREEMPTED, Preempted
 
     for directory, stage in stages_of(runs).items():
