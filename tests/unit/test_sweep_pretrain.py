@@ -187,3 +187,19 @@ def test_late_family_arm_is_the_shipped_recipe():
     fam = load_family(ROOT / "launch" / "families" / "real-lm-late.yaml")
     arm = {field: values[1] for field, values in fam["zip"][0].items()}
     assert {**arm, "objective": fam["base"]["objective"]} == recipe
+
+
+def test_a_local_run_launches_exactly_what_its_slurm_job_launches(tmp_path):
+    """One execution path: the local runner starts `python -m zcvae train` with the arguments the run's SLURM
+    script carries (`--resume auto` included), whatever --jobs is; only the progress bar differs."""
+    import sys
+
+    from zcvae.sweep.family import SlurmSettings
+    from zcvae.sweep.local import train_command
+    from zcvae.sweep.slurm import DEFAULT_TEMPLATE, recover_train_args, render_script
+
+    for run in local_plan(family(), output_dir=tmp_path, task="sort"):
+        script = render_script(template_text=DEFAULT_TEMPLATE.read_text(), run=run, slurm=SlurmSettings(), log_dir="logs")
+        assert train_command(run, progress_bar=True) == [sys.executable, "-m", "zcvae", "train", *recover_train_args(script)]
+        assert train_command(run, progress_bar=False)[-1] == "--no-progress-bar"
+        assert "--resume" in train_command(run, progress_bar=True)

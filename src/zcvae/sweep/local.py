@@ -77,7 +77,7 @@ def run_local(
     they have stopped (the same command resumes). A run that was itself preempted (exit 75) stops the
     sweep the same way.
     """
-    from zcvae.loop.guards import EXIT_PREEMPTED, Preempted, StopSignals
+    from zcvae.loop.guards import Preempted, StopSignals
 
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
@@ -95,43 +95,61 @@ def run_local(
     preempted: list[str] = []
     stop_sent: set[int] = set()
     with StopSignals() as signals:
-        while pending or active:
-            stopping = signals.received is not None or bool(preempted)
-            while pending and len(active) < jobs and not stopping:
-                run = pending.pop(0)
-                log(f"[sweep] run {len(todo) - len(pending)}/{len(todo)}: {run.name}"
-                    + (f" (log: {Path(run.params['output_dir']) / TRAIN_LOG})" if jobs > 1 else ""))
-                active.append((run, *_start(run, one_at_a_time=jobs == 1, progress_bar=progress_bar)))
-            if stopping:
-                pending.clear()
-                for _, proc, _ in active:
-                    if proc.pid not in stop_sent:  # once: the run finishes its step, saves and exits 75
-                        proc.send_signal(signal.SIGTERM)
-                        stop_sent.add(proc.pid)
-            time.sleep(_POLL_S)
-            still = []
-            for run, proc, handle in active:
-                code = proc.poll()
-                if code is None:
-                    still.append((run, proc, handle))
-                    continue
-                if handle is not None:
-                    handle.close()
-                where = f", see {Path(run.params['output_dir']) / TRAIN_LOG}" if handle is not None else ""
-                if code == 0:
-                    done.append(run)
-                    log(f"[sweep] {run.name}: done")
-                elif code == EXIT_PREEMPTED:
-                    preempted.append(run.name)
-                    log(f"[sweep] {run.name}: stopped at a checkpoint (exit {code})")
-                else:
-                    failed.append((run, f"exit {code}{where}"))
-                    log(f"[sweep] {run.name}: FAILED (exit {code}){where}")
-            active = still
+        try:
+            while pending or active:
+                stopping = signals.received is not None or bool(preempted)
+                while pending and len(active) < jobs and not stopping:
+                    run = pending.pop(0)
+                    log(f"[sweep] run {len(todo) - len(pending)}/{len(todo)}: {run.name}"
+                        + (f" (log: {Path(run.params['output_dir']) / TRAIN_LOG})" if jobs > 1 else ""))
+                    active.append((run, *_start(run, one_at_a_time=jobs == 1, progress_bar=progress_bar)))
+                if stopping:
+                    pending.clear()
+                    for _, proc, _ in active:
+                        if proc.pid not in stop_sent:  # once: the run finishes its step, saves and exits 75
+                            proc.send_signal(signal.SIGTERM)
+                            stop_sent.add(proc.pid)
+                time.sleep(_POLL_S)
+                active = _reap(active, done=done, failed=failed, preempted=preempted, log=log)
+        except KeyboardInterrupt:
+            # Ctrl-C reached the runs too (one process group): let each remove its half-written checkpoint
+            for _, proc, _ in active:
+                proc.wait()
+            raise
         if signals.received is not None or preempted:
             raise Preempted(f"stopped by {signals.received or 'a preempted run'}: {len(done)} run(s) finished, "
                             f"{len(preempted)} saved a checkpoint; the same command continues the sweep", step=0)
     return done, failed
+
+
+def _reap(active, *, done: list, failed: list, preempted: list, log) -> list:
+    """The runs of ``active`` still running; each one that ended is sorted into done, failed or preempted."""
+    from zcvae.loop.guards import EXIT_PREEMPTED
+
+    still = []
+    for run, proc, handle in active:
+        code = proc.poll()
+        if code is None:
+            still.append((run, proc, handle))
+            continue
+        if handle is not None:
+            handle.close()
+        where = f", see {Path(run.params['output_dir']) / TRAIN_LOG}" if handle is not None else ""
+        if code == 0:
+            done.append(run)
+            log(f"[sweep] {run.name}: done")
+        elif code == EXIT_PREEMPTED:
+            preempted.append(run.name)
+            log(f"[sweep] {run.name}: stopped at a checkpoint (exit {code})")
+        else:
+            failed.append((run, f"exit {code}{where}"))
+            log(f"[sweep] {run.name}: FAILED (exit {code}){where}")
+    return still
+
+
+def train_command(run: Run, *, progress_bar: bool) -> list[str]:
+    """The command of one local run: ``zcvae train`` with the arguments of the run's SLURM script."""
+    return [sys.executable, "-m", "zcvae", "train", *command_args(run.params), *([] if progress_bar else ["--no-progress-bar"])]
 
 
 def _start(run: Run, *, one_at_a_time: bool, progress_bar: bool) -> tuple[subprocess.Popen, IO | None]:
@@ -139,9 +157,7 @@ def _start(run: Run, *, one_at_a_time: bool, progress_bar: bool) -> tuple[subpro
 
     ``one_at_a_time``: it writes to this terminal and picks its thread count itself; else it logs to
     ``<run dir>/train.log`` with one thread."""
-    args = [sys.executable, "-m", "zcvae", "train", *command_args(run.params)]
-    if not (progress_bar and one_at_a_time):
-        args.append("--no-progress-bar")
+    args = train_command(run, progress_bar=progress_bar and one_at_a_time)
     if one_at_a_time:
         return subprocess.Popen(args), None
     run_dir = Path(run.params["output_dir"])
