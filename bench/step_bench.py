@@ -76,7 +76,7 @@ MiB = 2**20
 
 # --------------------------------------------------------------------------- backbones and data
 BACKBONES = {
-    # the built-in tiny Llama (zcvae.backbone.pretraining.tiny_llama_config defaults, 1.07M parameters)
+    # the built-in tiny Llama (zcvae.backbone.stage_model.tiny_llama_config defaults, 1.07M parameters)
     "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=512),
     "llama256": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
     # Llama-3.2-1B shapes (1.24B parameters with the 128256-row vocabulary), random init

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Render one SLURM script per run of a family: see zcvae.commands.sweep (the logic lives there, under test).
+"""Render one SLURM script per run of a family, as `zcvae sweep FAMILY.yaml --out DIR` does (the logic lives
+in zcvae.sweep, under test; the template ships in the package: src/zcvae/sweep/slurm.sbatch).
 
     python launch/sweep.py FAMILY.yaml --out DIR [--dry-run] [--defaults {auto,config,base}] [--force]
+    bash DIR/submit.sh      # each entangled stage first, every run after its stage
 """
 
 import sys

@@ -45,10 +45,10 @@ TINY_SIZES = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=6
 
 
 def _build_tiny_llama(vocab_size: int, *, seed: int, special_ids: dict[str, int | None], **sizes):
-    """A seeded random ``LlamaForCausalLM`` from ``zcvae.backbone.pretraining.tiny_llama_config`` (one home for the config)."""
+    """A seeded random ``LlamaForCausalLM`` from ``zcvae.backbone.stage_model.tiny_llama_config`` (one home for the config)."""
     from transformers import LlamaForCausalLM
 
-    from zcvae.backbone.pretraining import tiny_llama_config
+    from zcvae.backbone.stage_model import tiny_llama_config
 
     unknown = set(sizes) - set(TINY_SIZES)
     if unknown:

@@ -3,7 +3,7 @@
 Every field can be set in a YAML/JSON config file and by a CLI flag named after the field in kebab
 case (``token_weight_alpha`` -> ``--token-weight-alpha``). The flat layout keeps the run name, the
 sweep helper and the aggregate tables working on one plain dict; the typed sub-configs the library
-needs (:class:`~zcvae.core.losses.ReconstructionLossConfig`, :class:`~zcvae.model.cvae.ModelConfig`,
+needs (:class:`~zcvae.core.losses.ReconstructionLossConfig`, :class:`~zcvae.model.config.ModelConfig`,
 :class:`~zcvae.engines.EngineConfig`) are built from it in one place.
 
 Defaults start from what a CPU prototype of this CVAE measured (docs/objective.md, "The KL and its schedules"):

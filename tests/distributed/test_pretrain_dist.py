@@ -56,7 +56,7 @@ def raw_backbone(directory: Path) -> Path:
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from zcvae.backbone.pretraining import tiny_llama_config
+    from zcvae.backbone.stage_model import tiny_llama_config
     from zcvae.data.tokenizer import task_vocabulary
 
     special = ["<pad>", "<unk>", "<s>", "</s>"]
@@ -102,7 +102,7 @@ def _stage_dir(pool, name: str) -> Path:
 def test_two_ranks_equal_single_process(pool, name):
     from safetensors.torch import load_file
 
-    from zcvae.backbone.pretraining import is_pretrained
+    from zcvae.backbone.stage_config import is_pretrained
 
     world, _, engine, baseline = RUNS[name]
     got, want = _stage_dir(pool, name), _stage_dir(pool, baseline)

@@ -28,7 +28,7 @@ def test_demo_backbone_runs_the_entangled_stage_then_the_arms_and_resumes(cli, r
     """`zcvae demo --backbone` on a backbone that has never seen the template (as a real LM has not):
     the expected time first, the entangled stage, raw mean against the default on it, the table; a
     second call reuses the stage and the finished runs."""
-    from zcvae.backbone.pretraining import is_pretrained
+    from zcvae.backbone.stage_config import is_pretrained
     from zcvae.commands.demo import REAL_LM_ARMS
 
     out = tmp_path / "demo-lm"

@@ -305,8 +305,10 @@ def test_03_ctrl_c_inside_a_save_is_one_line_and_removes_its_tmp(tiny_backbone, 
 
 
 def test_03_the_sbatch_template_asks_for_the_early_signal_and_requeues_on_the_stop_code():
-    text = (Path(__file__).resolve().parents[2] / "launch" / "slurm.sbatch").read_text()
+    from zcvae.sweep.slurm import DEFAULT_TEMPLATE
     from zcvae.train.guards import EXIT_PREEMPTED
+
+    text = DEFAULT_TEMPLATE.read_text()
 
     assert "#SBATCH --signal=B:USR1@" in text and "#SBATCH --requeue" in text
     assert f"PREEMPTED_EXIT={EXIT_PREEMPTED}" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from zcvae.sweep.slurm import DEFAULT_TEMPLATE
+
 LAUNCH = Path(__file__).resolve().parents[2] / "launch"
+SLURM_TEMPLATE = Path(str(DEFAULT_TEMPLATE))  # shipped in the package (zcvae/sweep/slurm.sbatch)
 LAUNCH_VARS = ("NNODES", "NPROC_PER_NODE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ID", "RDZV_CONF",
                "TORCHRUN", "DEEPSPEED", "NUM_GPUS", "HOSTFILE", "NO_SSH", "INCLUDE", "EXCLUDE", "DS_CONFIG",
                "DRY_RUN")
@@ -32,9 +35,8 @@ def value_of(argv, flag):
     return argv[argv.index(flag) + 1]
 
 
-@pytest.mark.parametrize("name", ["torchrun.sh", "deepspeed.sh", "slurm.sbatch"])
-def test_scripts_are_valid_bash_with_strict_mode(name):
-    path = LAUNCH / name
+@pytest.mark.parametrize("path", [LAUNCH / "torchrun.sh", LAUNCH / "deepspeed.sh", SLURM_TEMPLATE], ids=lambda p: p.name)
+def test_scripts_are_valid_bash_with_strict_mode(path):
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
     assert "set -euo pipefail" in path.read_text()
 
@@ -122,11 +124,11 @@ def test_hostfile_example_is_in_deepspeed_format():
 
 
 def test_slurm_template_follows_the_launch_conventions():
-    text = (LAUNCH / "slurm.sbatch").read_text()
+    text = SLURM_TEMPLATE.read_text()
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
     for line in ("#SBATCH --ntasks-per-node=1", "#SBATCH --nodes=${nodes}", "#SBATCH --gpus-per-node=${gpus_per_node}"):
         assert line in text
     for needle in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "DRY_RUN",
                    "--rdzv_backend c10d", '--rdzv_id "$SLURM_JOB_ID"', '--nnodes "$SLURM_NNODES"',
-                   "-m zcvae train", "# zcvae-params: ${params_json}"):
+                   "-m zcvae ${command}", "# zcvae-params: ${params_json}"):
         assert needle in text

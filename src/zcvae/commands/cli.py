@@ -74,7 +74,8 @@ class Interrupted(Exception):
 
 
 def _cmd_pretrain(args) -> int:
-    from zcvae.backbone.pretraining import PretrainConfig, pretrain
+    from zcvae.backbone.pretraining import pretrain
+    from zcvae.backbone.stage_config import PretrainConfig
 
     values = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(PretrainConfig)}}
     if getattr(args, "config", None):
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(p)
     p.set_defaults(func=_cmd_train)
 
-    from zcvae.backbone.pretraining import PretrainConfig
+    from zcvae.backbone.stage_config import PretrainConfig
 
     p = sub.add_parser("pretrain", help="Pretrain the entangled tiny backbone on a synthetic task or JSONL data.")
     p.add_argument("--config", help="YAML or JSON file of pretraining fields.")

@@ -2,7 +2,7 @@
 
 1. Pretrain the entangled tiny backbone on the default task (reused when it already exists).
 2. Run the objective pilot (raw mean against the normalized objectives, each in mean and sum mode), all at the same beta, as a run family through the local sweep runner
-   (:func:`zcvae.commands.sweep.run_local`; finished runs are skipped, so an interrupted demo resumes):
+   (:func:`zcvae.sweep.local.run_local`; finished runs are skipped, so an interrupted demo resumes):
    raw mean | dist mean vs sum | tokcc mean vs sum | the best hybrid mean vs sum (the objective presets
    of :data:`zcvae.config.OBJECTIVE_PRESETS`), ``--seeds N`` seeds each.
 3. Print the aggregate table (seed groups as mean ± std) and where the TensorBoard logs are.
@@ -129,7 +129,7 @@ def expected_seconds(step_seconds: float, *, stage_batch: int, stage: dict | Non
 def run_real_lm_demo(*, backbone: str, output_dir: str, quick: bool, seeds: int, jobs: int, log=print) -> str:
     """``zcvae demo --backbone``: the entangled stage, then the study's key arms, through the local sweep
     runner (a finished stage and finished runs are reused, an unfinished run resumes)."""
-    from zcvae.commands.sweep import local_plan, stage_status
+    from zcvae.sweep.family import local_plan, stage_status
 
     out = Path(output_dir)
     started = time.perf_counter()
@@ -151,7 +151,8 @@ def run_real_lm_demo(*, backbone: str, output_dir: str, quick: bool, seeds: int,
 
 def _run_and_tabulate(runs, *, jobs: int, quick: bool, out: Path, started: float, log, heading: str) -> str:
     """Step 2/3 and 3/3 of both demos: train the runs (finished ones skipped), print and save the table."""
-    from zcvae.commands.sweep import local_table, run_local
+    from zcvae.commands.sweep import local_table
+    from zcvae.sweep.local import run_local
 
     _, failed = run_local(runs, jobs=jobs, log=log, progress_bar=not quick)
     if failed:
@@ -166,9 +167,10 @@ def _run_and_tabulate(runs, *, jobs: int, quick: bool, out: Path, started: float
 
 def run_demo(*, output_dir: str = "runs/demo", quick: bool = False, seeds: int = 1, jobs: int | None = None,
              backbone: str | None = None, log=print) -> str:
-    from zcvae.backbone.pretraining import PretrainConfig, is_pretrained, pretrain
+    from zcvae.backbone.pretraining import pretrain
+    from zcvae.backbone.stage_config import PretrainConfig, is_pretrained
     from zcvae.data import DEFAULT_TASK
-    from zcvae.commands.sweep import local_plan
+    from zcvae.sweep.family import local_plan
 
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")

@@ -47,7 +47,7 @@ def run_train_config(record: dict[str, Any], source: Path):
 
 def _builtin_backbone(cfg) -> Path:
     # The path of train.trainer.default_backbone without its side effect (it would pretrain a missing backbone).
-    from zcvae.backbone.pretraining import is_pretrained
+    from zcvae.backbone.stage_config import is_pretrained
 
     cache = builtin_backbone_dir(cfg.task)
     if not is_pretrained(cache):

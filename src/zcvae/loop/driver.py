@@ -64,7 +64,7 @@ class MicroLoss:
 
 class Objective(Protocol):
     """What the loop asks of a training objective (see ``train.trainer.CVAEObjective`` and
-    ``backbone.pretraining.SpanNLLObjective``)."""
+    ``backbone.stage_data.SpanNLLObjective``)."""
 
     def begin_step(self, step: int) -> None: ...
 

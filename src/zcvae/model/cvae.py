@@ -140,9 +140,6 @@ class ZCVAE(nn.Module):
     # Construction
     # ------------------------------------------------------------------------------------------
 
-    # backbone/pretraining.py initialises its new rows the same way; build.init_new_rows is the home
-    _init_new_rows = staticmethod(build.init_new_rows)
-
     @classmethod
     def from_pretrained(cls, backbone_dir: str, config: ModelConfig, *, calibration: Batch | None = None, seed: int = 0) -> "ZCVAE":
         """Load a local Hugging Face directory (model + tokenizer, safetensors only) and wrap it.

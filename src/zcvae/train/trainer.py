@@ -434,7 +434,7 @@ def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, re
 
 def default_backbone(cfg: TrainConfig, *, log=print) -> str:
     """The built-in tiny backbone pretrained on the run's task, built once and cached."""
-    from zcvae.backbone.pretraining import builtin_backbone
+    from zcvae.backbone.builtin import builtin_backbone
 
     if cfg.train_data is not None:
         raise ValueError("--backbone is required with --train-data (pretrain one with `zcvae pretrain --train-data ...`)")

@@ -10,19 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from zcvae.backbone.pretraining import (
-    CHECKPOINT_FILES,
-    SUMMARY_FILE,
-    PretrainConfig,
-    _write_checkpoint,
-    evaluate_nll,
-    is_pretrained,
-    lr_multiplier,
-    mix_templates,
-    pretrain,
-    span_nll,
-    tiny_llama_config,
-)
+from zcvae.backbone.pretraining import _write_checkpoint, pretrain
+from zcvae.backbone.stage_config import CHECKPOINT_FILES, SUMMARY_FILE, PretrainConfig, is_pretrained
+from zcvae.backbone.stage_data import mix_templates, span_nll
+from zcvae.backbone.stage_eval import evaluate_nll
+from zcvae.backbone.stage_model import tiny_llama_config
+from zcvae.core.schedule import lr_multiplier
 from zcvae.data import Example, build_tokenizer, make_examples, write_jsonl
 from zcvae.templates import IGNORE_INDEX, collate, encode_examples, prepare_tokenizer
 
@@ -206,7 +199,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 
 @pytest.mark.parametrize("template", ["zfree", "znull"])
 def test_generate_y_is_the_argmax_continuation_of_each_prompt(tiny_llama, template):
-    from zcvae.backbone.pretraining import generate_y
+    from zcvae.backbone.stage_eval import generate_y
     from zcvae.templates import TemplateLayout
 
     tokenizer = build_tokenizer()

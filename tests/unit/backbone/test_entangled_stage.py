@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zcvae.backbone.pretraining import PretrainConfig, evaluate_nll, is_pretrained, pretrain
+from zcvae.backbone.pretraining import pretrain
+from zcvae.backbone.stage_config import PretrainConfig, is_pretrained
+from zcvae.backbone.stage_eval import evaluate_nll
 from zcvae.templates import TemplateLayout
 
 
@@ -35,14 +37,14 @@ def load_plain(directory: Path):
 
 def reloaded_val_nll(out: Path, summary: dict) -> float:
     """The z-free validation NLL of the *saved* checkpoint, on the stage's own validation split."""
-    from zcvae.backbone.pretraining import _encode, _load_data
+    from zcvae.backbone.stage_data import encode_split, load_data
     from zcvae.templates import template_tokens
 
     model, tok = load_plain(out)
     tokens = template_tokens(tok, num_latents=0)
     cfg = PretrainConfig.from_dict(summary["config"])
-    _, _, _, val_ex, _ = _load_data(cfg, tokenizer=tok)
-    val = _encode(val_ex, tok, tokens, max_length=cfg.max_length, what="val", log=print)
+    _, _, _, val_ex, _ = load_data(cfg, tokenizer=tok)
+    val = encode_split(val_ex, tok, tokens, max_length=cfg.max_length, what="val", log=print)
     return evaluate_nll(model, val, tokens)["zfree"]["nll_per_example"]
 
 
@@ -128,7 +130,7 @@ def test_decision_word_maps_to_its_token_for_word_level_and_bpe_tokenizers():
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
 
-    from zcvae.backbone.pretraining import word_token_position
+    from zcvae.backbone.stage_data import word_token_position
     from zcvae.data import build_tokenizer
 
     y = "2 2 0 8 count 0 * 1 = 0 2 2 8 ."

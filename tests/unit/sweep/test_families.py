@@ -8,17 +8,8 @@ import pytest
 
 from zcvae.commands.cli import build_parser, resolve_train_config
 from zcvae.config import BEST_HYBRID, RECONSTRUCTION_WEIGHT_FIELDS, TrainConfig, preset_values
-from zcvae.commands.sweep import (
-    DEFAULT_TEMPLATE,
-    SlurmSettings,
-    load_family,
-    local_plan,
-    plan_runs,
-    recover_params,
-    recover_train_args,
-    render_script,
-    resolve_defaults,
-)
+from zcvae.sweep.family import SlurmSettings, load_family, local_plan, plan_runs, resolve_defaults
+from zcvae.sweep.slurm import DEFAULT_TEMPLATE, recover_params, recover_train_args, render_script
 
 REPO = Path(__file__).resolve().parents[3]
 FAMILIES = REPO / "launch" / "families"
@@ -138,7 +129,7 @@ def _trained(path):
 def test_token_weighting_family_is_matched_alpha_on_the_late_decision_tasks():
     """tok, tokcc and tokinv at alpha 0.5 and 1, mean and sum, 3 seeds, on sort3 (pooled posterior) and mul,
     K = 3 with each task (issue 21, item 2), and no arm confounds preset with alpha."""
-    from zcvae.commands.sweep import confound_warnings
+    from zcvae.sweep.family import confound_warnings
 
     cfgs = _trained(FAMILIES / "token-weighting.yaml")
     arms = {(c.task, c.objective, c.token_weight_alpha, c.reconstruction_loss_token_aggregation_mode, c.seed) for c in cfgs}

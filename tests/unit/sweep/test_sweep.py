@@ -14,22 +14,23 @@ import pytest
 
 from zcvae.runs.naming import AGGREGATION_MODE_FIELD as AGG
 from zcvae.runs.naming import parse_run_name
-from zcvae.commands.sweep import (
-    DEFAULT_TEMPLATE,
+from zcvae.commands.sweep import main
+from zcvae.sweep.family import (
     Run,
     SlurmSettings,
     expand_family,
     load_family,
-    main,
-    params_to_flags,
-    parse_train_flags,
     plan_runs,
+    resolve_defaults,
+    validate_family,
+)
+from zcvae.sweep.flags import params_to_flags, parse_train_flags
+from zcvae.sweep.slurm import (
+    DEFAULT_TEMPLATE,
     recover_params,
     recover_train_args,
     render_script,
-    resolve_defaults,
     template_placeholders,
-    validate_family,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -118,6 +119,7 @@ def test_family_renders_and_every_run_is_recovered_from_its_script(tmp_path, fak
             assert parsed[field] == params[field], (name, field)
         # 3. the embedded train flags, read statically, equal the params (typed)
         flags = parse_train_flags(recover_train_args(text))
+        assert flags.pop("resume") == "auto"  # a requeued job continues from its checkpoint
         assert set(flags) == set(params)
         assert {f: _typed(v, params[f]) for f, v in flags.items()} == params
         assert "--no-gradient-checkpointing" in text and "--learned-prior" in text
@@ -148,6 +150,7 @@ def test_family_renders_and_every_run_is_recovered_from_its_script(tmp_path, fak
         assert head[head.index("--cpus-per-task") + 1] == "16"
         assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["zcvae", "train"]
         flags = parse_train_flags(argv[argv.index("-m") + 3 :])
+        assert flags.pop("resume") == "auto"
         assert {f: _typed(v, record["params"][f]) for f, v in flags.items()} == record["params"]
 
 
@@ -166,6 +169,7 @@ def test_rendered_flags_parse_with_the_real_train_cli(tmp_path):
         args = parser.parse_args(recover_train_args((out / record["script"]).read_text()))
         config = cli.resolve_train_config(args).to_dict()
         assert {field: config[field] for field in record["params"]} == record["params"]
+        assert config["resume"] == "auto"
 
 
 def test_plan_with_explicit_defaults_names_against_them():
@@ -273,13 +277,14 @@ def test_template_placeholders_are_exactly_what_rendering_provides():
     text = DEFAULT_TEMPLATE.read_text()
     assert template_placeholders(text) == {
         "job_name", "nodes", "gpus_per_node", "cpus_per_task", "time", "log_dir", "sbatch_optional",
-        "run_name", "params_json", "master_port", "setup", "train_args"}
+        "run_name", "params_json", "master_port", "setup", "command", "train_args"}
     run = Run(name="agg-sum", params={AGG: "sum", "backbone": "it's a path", "max_grad_norm": None})
     rendered = render_script(template_text=text, run=run, slurm=SlurmSettings(), log_dir="logs")
     assert '"$SLURM_NNODES"' in rendered and "${DRY_RUN:-0}" in rendered and "${MASTER_PORT:-29500}" in rendered
     assert "#SBATCH --partition" not in rendered
     assert recover_params(rendered) == run.params
-    assert parse_train_flags(recover_train_args(rendered)) == {AGG: "sum", "backbone": "it's a path"}
+    assert parse_train_flags(recover_train_args(rendered)) == {AGG: "sum", "backbone": "it's a path", "resume": "auto"}
+    assert '-m zcvae train "${TRAIN_ARGS[@]}"' in rendered
     with pytest.raises(KeyError):
         render_script(template_text=text + "${unknown_placeholder}\n", run=run, slurm=SlurmSettings(),
                       log_dir="logs")

@@ -1,0 +1,168 @@
+"""Run a family's runs on this machine: each as its own ``zcvae train`` process, as a SLURM job would.
+
+    zcvae sweep FAMILY.yaml --local --output-dir DIR [--task T] [--jobs N] [--dry-run]
+
+Runs whose final evaluation exists are skipped (an interrupted sweep resumes where it stopped) and an
+unfinished run continues from its newest complete checkpoint (``--resume auto``). Before any run starts,
+the backbones they need are built here: the family's entangled stages and the cached built-in backbones.
+
+There is one way to run: a subprocess per run, ``jobs`` at a time. With ``jobs == 1`` the run writes to this
+terminal (its progress bar included) and takes the free cores; with more, each run logs to
+``<run dir>/train.log`` with one thread (``OMP_NUM_THREADS=1``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO
+
+from zcvae.sweep.family import Run, stage_status, stages_of
+from zcvae.sweep.flags import command_args
+
+TRAIN_LOG = "train.log"
+_POLL_S = 0.2
+
+
+def run_finished(run: Run) -> bool:
+    """Whether ``run`` already has its final evaluation (an eval record at its last step)."""
+    from zcvae.config import TrainConfig
+    from zcvae.runs.rundir import RUN_CONFIG, final_eval_metrics
+
+    run_dir = Path(run.params["output_dir"])
+    if not (run_dir / RUN_CONFIG).is_file():
+        return False
+    max_steps = int(run.params.get("max_steps", TrainConfig.max_steps))
+    return final_eval_metrics(run_dir)[0] == max_steps
+
+
+def prebuild_backbones(runs: Sequence[Run], log: Callable[[str], None]) -> None:
+    """Before any run starts, build what the runs' backbones need: the family's entangled stages (one per
+    task, reused when finished with the same settings; each a ``zcvae pretrain`` process, as its SLURM job
+    is) and the cached built-in backbone of every other task, so that parallel runs do not race to build
+    the same directory."""
+    from zcvae.backbone.builtin import builtin_backbone
+    from zcvae.loop.guards import EXIT_PREEMPTED, Preempted
+
+    for directory, stage in stages_of(runs).items():
+        if stage_status(stage) == "finished":
+            log(f"[sweep] entangled stage {directory}: finished, reused")
+            continue
+        log(f"[sweep] entangled stage {directory}: training ({', '.join(f'{k}={v}' for k, v in sorted(stage.items()) if k != 'output_dir')})")
+        # --resume auto: a stage interrupted with the sweep continues from its newest checkpoint
+        code = subprocess.run([sys.executable, "-m", "zcvae", "pretrain", *command_args(stage)]).returncode
+        if code == EXIT_PREEMPTED:
+            raise Preempted(f"the entangled stage in {directory} stopped at a checkpoint; the same command continues it", step=0)
+        if code != 0:
+            raise ValueError(f"the entangled stage in {directory} failed (`zcvae pretrain` exit {code}, its error is above); "
+                             f"no run was started")
+    tasks = {run.params.get("task") for run in runs if run.params.get("backbone") is None and run.params.get("train_data") is None}
+    for task in sorted(tasks, key=str):
+        builtin_backbone(task, log=log)
+
+
+def run_local(
+    runs: Sequence[Run], *, jobs: int = 1, log: Callable[[str], None] = print, progress_bar: bool = True
+) -> tuple[list[Run], list[tuple[Run, str]]]:
+    """Train ``runs`` on this machine, ``jobs`` ``zcvae train`` processes at a time; return (runs trained
+    now, [(failed run, why)]). A failed run does not stop the others.
+
+    SIGTERM or SIGUSR1 to this process (a preemption) is passed on to the running runs, which save a
+    checkpoint and exit; no further run starts, and :class:`~zcvae.loop.guards.Preempted` is raised once
+    they have stopped (the same command resumes). A run that was itself preempted (exit 75) stops the
+    sweep the same way.
+    """
+    from zcvae.loop.guards import Preempted, StopSignals
+
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    todo = []
+    for run in runs:
+        if run_finished(run):
+            log(f"[sweep] {run.name}: finished, skipped")
+        else:
+            todo.append(run)
+    prebuild_backbones(todo, log)
+    done: list[Run] = []
+    failed: list[tuple[Run, str]] = []
+    pending = list(todo)
+    active: list[tuple[Run, subprocess.Popen, IO | None]] = []
+    preempted: list[str] = []
+    stop_sent: set[int] = set()
+    with StopSignals() as signals:
+        try:
+            while pending or active:
+                stopping = signals.received is not None or bool(preempted)
+                while pending and len(active) < jobs and not stopping:
+                    run = pending.pop(0)
+                    log(f"[sweep] run {len(todo) - len(pending)}/{len(todo)}: {run.name}"
+                        + (f" (log: {Path(run.params['output_dir']) / TRAIN_LOG})" if jobs > 1 else ""))
+                    active.append((run, *_start(run, one_at_a_time=jobs == 1, progress_bar=progress_bar)))
+                if stopping:
+                    pending.clear()
+                    for _, proc, _ in active:
+                        if proc.pid not in stop_sent:  # once: the run finishes its step, saves and exits 75
+                            proc.send_signal(signal.SIGTERM)
+                            stop_sent.add(proc.pid)
+                time.sleep(_POLL_S)
+                active = _reap(active, done=done, failed=failed, preempted=preempted, log=log)
+        except KeyboardInterrupt:
+            # Ctrl-C reached the runs too (one process group): let each remove its half-written checkpoint
+            for _, proc, _ in active:
+                proc.wait()
+            raise
+        if signals.received is not None or preempted:
+            raise Preempted(f"stopped by {signals.received or 'a preempted run'}: {len(done)} run(s) finished, "
+                            f"{len(preempted)} saved a checkpoint; the same command continues the sweep", step=0)
+    return done, failed
+
+
+def _reap(active, *, done: list, failed: list, preempted: list, log) -> list:
+    """The runs of ``active`` still running; each one that ended is sorted into done, failed or preempted."""
+    from zcvae.loop.guards import EXIT_PREEMPTED
+
+    still = []
+    for run, proc, handle in active:
+        code = proc.poll()
+        if code is None:
+            still.append((run, proc, handle))
+            continue
+        if handle is not None:
+            handle.close()
+        where = f", see {Path(run.params['output_dir']) / TRAIN_LOG}" if handle is not None else ""
+        if code == 0:
+            done.append(run)
+            log(f"[sweep] {run.name}: done")
+        elif code == EXIT_PREEMPTED:
+            preempted.append(run.name)
+            log(f"[sweep] {run.name}: stopped at a checkpoint (exit {code})")
+        else:
+            failed.append((run, f"exit {code}{where}"))
+            log(f"[sweep] {run.name}: FAILED (exit {code}){where}")
+    return still
+
+
+def train_command(run: Run, *, progress_bar: bool) -> list[str]:
+    """The command of one local run: ``zcvae train`` with the arguments of the run's SLURM script."""
+    return [sys.executable, "-m", "zcvae", "train", *command_args(run.params), *([] if progress_bar else ["--no-progress-bar"])]
+
+
+def _start(run: Run, *, one_at_a_time: bool, progress_bar: bool) -> tuple[subprocess.Popen, IO | None]:
+    """One ``zcvae train`` process for ``run``, with the same arguments as its SLURM script.
+
+    ``one_at_a_time``: it writes to this terminal and picks its thread count itself; else it logs to
+    ``<run dir>/train.log`` with one thread."""
+    args = train_command(run, progress_bar=progress_bar and one_at_a_time)
+    if one_at_a_time:
+        return subprocess.Popen(args), None
+    run_dir = Path(run.params["output_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / TRAIN_LOG, "a", encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env), handle
+

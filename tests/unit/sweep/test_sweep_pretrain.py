@@ -1,0 +1,205 @@
+"""A family's ``pretrain:`` block: the entangled stage its runs start from, planned and built by the sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from zcvae.sweep.family import load_family, local_plan, stage_status, validate_family
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def family(**pretrain) -> dict:
+    return {"pretrain": {"backbone": "smollm2", "max_steps": 5, **pretrain},
+            "base": {"num_latents": 2, "max_steps": 3, "reconstruction_loss_token_aggregation_mode": "mean"}, "grid": {"seed": [0, 1]}, "zip": [{"objective": ["raw", "raw+dist"]}]}
+
+
+def test_stage_per_task_becomes_each_runs_backbone_and_leaves_names_alone(tmp_path):
+    with_stage = local_plan(family(), output_dir=tmp_path, task="sort")
+    plain = local_plan({k: v for k, v in family().items() if k != "pretrain"}, output_dir=tmp_path, task="sort")
+    assert [r.name for r in with_stage] == [r.name for r in plain]
+    stage_dir = str(tmp_path / "entangled-sort")
+    for run in with_stage:
+        assert run.params["backbone"] == stage_dir
+        assert run.pretrain == {"backbone": "smollm2", "max_steps": 5, "task": "sort", "output_dir": stage_dir}
+    assert all(r.pretrain is None and "backbone" not in r.params for r in plain)
+
+
+def test_jsonl_runs_get_a_stage_on_their_own_data(tmp_path):
+    fam = family()
+    fam["base"].update(train_data="data/train.jsonl", val_data="data/val.jsonl")
+    run = local_plan(fam, output_dir=tmp_path)[0]
+    assert run.pretrain["train_data"] == "data/train.jsonl" and run.pretrain["val_data"] == "data/val.jsonl"
+    assert run.params["backbone"] == str(tmp_path / "entangled-train")
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"backbone": "x", "max_step": 3}, r"pretrain\.max_step: not a `zcvae pretrain` field"),
+    ({"backbone": "x", "task": "copy"}, r"pretrain\.task: set by the sweep"),
+    ({"backbone": "x", "output_dir": "y"}, r"pretrain\.output_dir: set by the sweep"),
+    ([], r"pretrain: must be a non-empty mapping"),
+])
+def test_bad_pretrain_blocks_name_the_key(block, message):
+    fam = {**family(), "pretrain": block}
+    with pytest.raises(ValueError, match=message):
+        validate_family(fam)
+
+
+def test_a_backbone_in_base_and_a_stage_are_refused():
+    fam = family()
+    fam["base"]["backbone"] = "somewhere"
+    with pytest.raises(ValueError, match="base.backbone: the family's pretrain block builds"):
+        validate_family(fam)
+
+
+def _fake_sbatch(tmp_path):
+    """`sbatch` for a machine without SLURM: logs its arguments, answers `--parsable` with "<id>;cluster"."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "sbatch"
+    script.write_text('#!/bin/bash\necho "$*" >> "$SBATCH_LOG"\nn=$(wc -l < "$SBATCH_LOG")\n'
+                      'if [[ "$1" == --parsable ]]; then echo "$((4000 + n));cl"; else echo "Submitted batch job $((4000 + n))"; fi\n')
+    script.chmod(0o755)
+    return bin_dir
+
+
+def test_slurm_renders_the_stage_as_a_job_the_runs_depend_on(tmp_path):
+    """One job script per stage (`zcvae pretrain ... --resume auto` into the runs' backbone), every run's job
+    submitted with afterok on it by submit.sh, and both kinds in the manifest, stages first."""
+    from zcvae.commands.cli import build_parser
+    from zcvae.commands.sweep import main
+    from zcvae.sweep.flags import parse_train_flags
+    from zcvae.sweep.slurm import recover_params, recover_train_args
+
+    fam = family()
+    fam["base"]["output_dir"] = "/scratch/study"
+    fam["grid"]["task"] = ["copy", "sort"]
+    fam["slurm"] = {"nodes": 2, "gpus_per_node": 4, "engine": "fsdp2"}
+    path = tmp_path / "f.yaml"
+    path.write_text(yaml.safe_dump(fam))
+    out = tmp_path / "out"
+    assert main([str(path), "--out", str(out), "--dry-run"]) == 0
+    assert not out.exists()
+    assert main([str(path), "--out", str(out)]) == 0
+
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["stage"] * 2 + ["run"] * 8
+    stages = {r["stage"]: r for r in records[:2]}
+    assert sorted(stages) == ["entangled-copy", "entangled-sort"]
+    for task in ("copy", "sort"):
+        stage = stages[f"entangled-{task}"]
+        assert stage["script"] == f"entangled-{task}.sbatch"
+        assert stage["params"] == {"backbone": "smollm2", "max_steps": 5, "task": task, "output_dir": f"/scratch/study/entangled-{task}"}
+        text = (out / stage["script"]).read_text()
+        assert recover_params(text) == stage["params"]
+        assert '-m zcvae pretrain "${TRAIN_ARGS[@]}"' in text and "#SBATCH --job-name=zcvae-entangled-" + task in text
+        assert "#SBATCH --nodes=2" in text and "#SBATCH --requeue" in text
+        args = recover_train_args(text)
+        assert args[-2:] == ["--resume", "auto"]
+        assert parse_train_flags(args) == {"backbone": "smollm2", "max_steps": "5", "task": task,
+                                           "output_dir": f"/scratch/study/entangled-{task}", "resume": "auto"}
+        parsed = build_parser().parse_args(["pretrain", *args])  # the real `zcvae pretrain` flags
+        assert (parsed.backbone, parsed.task, parsed.resume, parsed.max_steps) == ("smollm2", task, "auto", 5)
+    runs = records[2:]
+    for run in runs:
+        task = run["params"]["task"]
+        assert run["after"] == f"entangled-{task}.sbatch"
+        assert run["params"]["backbone"] == f"/scratch/study/entangled-{task}"
+        flags = parse_train_flags(recover_train_args((out / run["script"]).read_text()))
+        assert flags["backbone"] == f"/scratch/study/entangled-{task}" and flags["resume"] == "auto"
+        assert "backbone" not in run["run_name"]  # named as without the stage
+
+    # submit.sh, with an sbatch that records what it was asked: stages first, each run after its own stage
+    log = tmp_path / "sbatch.log"
+    env = {**os.environ, "PATH": f"{_fake_sbatch(tmp_path)}:{os.environ['PATH']}", "SBATCH_LOG": str(log)}
+    result = subprocess.run(["bash", str(out / "submit.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    assert calls[:2] == ["--parsable entangled-copy.sbatch", "--parsable entangled-sort.sbatch"]
+    job_of = {"copy": "4001", "sort": "4002"}  # the fake's ids, with ";cl" stripped by submit.sh
+    assert sorted(calls[2:]) == sorted(f"--dependency=afterok:{job_of[r['params']['task']]} {r['script']}" for r in runs)
+
+
+def test_slurm_without_a_stage_submits_every_run_at_once(tmp_path):
+    from zcvae.commands.sweep import main
+
+    fam = {k: v for k, v in family().items() if k != "pretrain"}
+    path = tmp_path / "f.yaml"
+    path.write_text(yaml.safe_dump(fam))
+    assert main([str(path), "--out", str(tmp_path / "out")]) == 0
+    records = [json.loads(line) for line in (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in records} == {"run"} and {r["after"] for r in records} == {None}
+    submit = (tmp_path / "out" / "submit.sh").read_text()
+    assert "--dependency" not in submit and "--parsable" not in submit
+    assert sorted(line for line in submit.splitlines() if line.startswith("sbatch ")) == sorted(f"sbatch {r['script']}" for r in records)
+
+
+def test_slurm_refuses_a_stage_that_zcvae_pretrain_would_refuse(tmp_path, capsys):
+    from zcvae.commands.sweep import main
+
+    path = tmp_path / "f.yaml"
+    path.write_text(yaml.safe_dump(family(max_steps=0)))
+    assert main([str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "pretrain (the stage in" in err and "max_steps" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_stage_status_reuses_only_a_stage_built_with_the_same_settings(tmp_path, raw_tiny_backbone):
+    from zcvae.backbone.pretraining import pretrain
+    from zcvae.backbone.stage_config import PretrainConfig
+
+    stage = {"backbone": str(raw_tiny_backbone()), "task": "copy", "output_dir": str(tmp_path / "entangled-copy"),
+             "max_steps": 2, "batch_size": 4, "num_train_examples": 32, "num_val_examples": 8, "num_decode_examples": 0,
+             "warmup_steps": 1, "device": "cpu"}
+    assert stage_status(stage) == "to run"
+    pretrain(PretrainConfig.from_dict(stage), log=lambda *_: None)
+    assert stage_status(stage) == "finished"
+    with pytest.raises(ValueError, match=r"built with other settings \(max_steps 2 there, 3 in the family\)"):
+        stage_status({**stage, "max_steps": 3})
+
+
+@pytest.mark.parametrize("name", ["real-lm-copy.yaml", "real-lm-late.yaml"])
+def test_shipped_real_lm_families_plan_with_their_stage(tmp_path, name):
+    runs = local_plan(load_family(ROOT / "launch" / "families" / name), output_dir=tmp_path)
+    assert len(runs) == 6 and len({r.pretrain["output_dir"] for r in runs}) == 1
+    assert runs[0].pretrain["backbone"] == "smollm2"
+
+
+def test_demo_backbone_runs_the_families_key_arms():
+    """`zcvae demo --backbone` runs launch/families/real-lm-copy.yaml's stage and arms (one seed list aside)."""
+    from zcvae.commands.demo import real_lm_family
+
+    shipped = load_family(ROOT / "launch" / "families" / "real-lm-copy.yaml")
+    demo = real_lm_family(backbone="smollm2", seeds=3)
+    for key in ("pretrain", "base", "grid", "zip"):
+        assert demo[key] == shipped[key], key
+
+
+def test_late_family_arm_is_the_shipped_recipe():
+    recipe = yaml.safe_load((ROOT / "launch" / "configs" / "late-decisions.yaml").read_text())
+    fam = load_family(ROOT / "launch" / "families" / "real-lm-late.yaml")
+    arm = {field: values[1] for field, values in fam["zip"][0].items()}
+    assert {**arm, "objective": fam["base"]["objective"]} == recipe
+
+
+def test_a_local_run_launches_exactly_what_its_slurm_job_launches(tmp_path):
+    """One execution path: the local runner starts `python -m zcvae train` with the arguments the run's SLURM
+    script carries (`--resume auto` included), whatever --jobs is; only the progress bar differs."""
+    import sys
+
+    from zcvae.sweep.family import SlurmSettings
+    from zcvae.sweep.local import train_command
+    from zcvae.sweep.slurm import DEFAULT_TEMPLATE, recover_train_args, render_script
+
+    for run in local_plan(family(), output_dir=tmp_path, task="sort"):
+        script = render_script(template_text=DEFAULT_TEMPLATE.read_text(), run=run, slurm=SlurmSettings(), log_dir="logs")
+        assert train_command(run, progress_bar=True) == [sys.executable, "-m", "zcvae", "train", *recover_train_args(script)]
+        assert train_command(run, progress_bar=False)[-1] == "--no-progress-bar"
+        assert "--resume" in train_command(run, progress_bar=True)
