@@ -353,8 +353,11 @@ def reconstruction_terms(
 
     parts = TermParts(raw_B=raw_B, token_B=tok_B, inverse_B=inv_B, base_B=ref.base_B, kappa_B=ref.kappa_B,
                       eta_B=ref.eta_B, c_base=c, config=config)
-    # where (not multiply) so a stray nan/inf in a posterior row of an empty example cannot leak out.
-    terms = {term.name: torch.where(valid_B, term.function(parts), zero) for term in RECONSTRUCTION_TERM_REGISTRY}
+    terms = {term.name: term.function(parts) for term in RECONSTRUCTION_TERM_REGISTRY}
+    # where (not multiply) so a stray nan/inf in a posterior row of an empty example cannot leak out. Every
+    # term is computed before the first where: the order the graph is built in fixes the order autograd sums
+    # the gradients in, so interleaving them would change the last bits of a training step.
+    terms = {name: torch.where(valid_B, value, zero) for name, value in terms.items()}
     terms.update(reconstruction_diagnostics(
         pi_BN=pi_BN, rho_BN=rho_BN, mask_BN=mask, valid_B=valid_B, degenerate_B=degenerate_B, num_B=num_B,
         base_B=ref.base_B, token_base_B=ref.token_base_B, inverse_base_B=ref.inverse_base_B,
