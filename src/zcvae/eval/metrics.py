@@ -7,7 +7,7 @@ numpy arrays or torch tensors; outputs are python floats, numpy arrays and dicts
 
 The clustering scores (NMI with arithmetic-mean normalisation, ARI, homogeneity/completeness) and
 k-means come from scikit-learn, the one-to-one matching from ``scipy.optimize.linear_sum_assignment``;
-``tests/unit/test_metrics_recorded.py`` shows they give the values of the hand-written versions they
+``tests/unit/eval/test_metrics_recorded.py`` shows they give the values of the hand-written versions they
 replaced.
 
 Shape legend:

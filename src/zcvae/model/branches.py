@@ -56,7 +56,7 @@ def run_branch_chunks(chunk_nll: Callable[[slice], torch.Tensor], *, num_rows: i
     backward re-runs it and back-propagates through it one chunk at a time, so peak branch memory
     grows with the chunk size, not with K. Exact (a deterministic recompute; dropout RNG states
     are replayed): every gradient, through q, the KL and the inter-latent divergence too, equals
-    the unchunked path (tests/unit/test_branch_chunks.py). Cost: one more forward of the branch
+    the unchunked path (tests/unit/model/test_branch_chunks.py). Cost: one more forward of the branch
     rows, except under layer checkpointing of ``hf``, which is switched off inside a chunk (the chunk
     is the checkpoint) so the total stays one forward + one recompute + one backward.
     """

@@ -82,7 +82,7 @@ class ModelConfig(StrictDataclass):
     """Train mode: run ``<bos> <x> {x} </x>`` once per example and reuse its keys and values (gradients
     flow through them) for the router's z-free suffix and every branch, instead of re-running x in
     each of the 1 + K rows. Exact: losses and gradients equal the full-sequence path to float noise
-    (tests/unit/test_prefix_sharing.py), with gradient checkpointing too (a replay-safe cache, see
+    (tests/unit/model/test_prefix_sharing.py), with gradient checkpointing too (a replay-safe cache, see
     ``hf_compat.replay_safe_cache``). Falls back to the full path, with a one-time warning naming the reason,
     for sliding-window attention shorter than the batch, for checkpointing done outside transformers'
     GradientCheckpointingLayer, and for an architecture whose forward takes no cache or position

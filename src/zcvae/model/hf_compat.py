@@ -1,6 +1,6 @@
 """Every place where zcvae relies on transformers' or peft's internals, and nowhere else.
 
-A transformers or peft upgrade that changes one of these breaks ``tests/unit/test_hf_compat.py``
+A transformers or peft upgrade that changes one of these breaks ``tests/unit/model/test_hf_compat.py``
 first, with a message naming the upstream assumption. What is relied on:
 
 peft
