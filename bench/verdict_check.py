@@ -1,7 +1,7 @@
 """Does the label-free verdict agree with the gold labels? Collapsed-or-not over a directory of runs.
 
     python bench/verdict_check.py runs/pilot-sort3 runs/pilot-mul runs/demo    # every run directory below them
-    python bench/verdict_check.py runs --min-agreement 0.95                     # exit 1 below issue 20's target
+    python bench/verdict_check.py runs --min-agreement 0.95                     # exit 1 below 95% agreement
 
 A run directory is a directory below a root that holds ``run_config.json`` and an evaluation in
 ``metrics.jsonl``. For each, the verdict is recomputed from its final evaluation (the records of the

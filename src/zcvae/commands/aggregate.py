@@ -3,7 +3,7 @@
 Each run directory holds ``run_config.json`` (``{"config": {...flat resolved config...}, "versions":
 ..., "git_revision": ...}``) and ``metrics.jsonl`` (one flat JSON object per line with ``step``,
 ``split`` and metric keys). A row shows what distinguishes the objective -- latent type, token
-aggregation mode (the seed notes require it in every aggregate table), the nonzero
+aggregation mode (every table shows it: mean and sum answer different questions), the nonzero
 reconstruction-term weights and the objective preset they came from, alpha, beta and the KL schedule --
 the end-of-run verdict (``verdict.json``, or for a run without one the same verdict recomputed from its
 final evaluation; ``zcvae.eval.verdict``) and the final evaluation metrics.
