@@ -100,3 +100,18 @@ def checkpointed_run(model, batch, cfg, *, scale: float, step: int, c_base: dict
     CheckpointManager(run_dir / "checkpoints", keep=1, is_main=True).save(engine, step=step, config=cfg, c_base=c_base)
     (run_dir / "run_config.json").write_text(json.dumps({"config": cfg.to_dict(), "c_base": c_base}))
     return run_dir
+
+
+def greedy_reference(model, x_ids, z_ids, max_new_tokens: int) -> str:
+    """Greedy decoding written directly against the peft model, with ``z_ids`` in the z section: the
+    reference that the export tests hold ``zcvae.export.load`` to (independent of its code)."""
+    t = model.tokens
+    ids = [t.bos, t.x_open, *x_ids, t.x_close, t.z_open, *z_ids, t.z_close, t.y_open]
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model.peft_model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+            if nxt in (t.y_close, t.eos):
+                break
+            out.append(nxt)
+    return model.tokenizer.decode(out)

@@ -19,6 +19,7 @@ from zcvae.config import TrainConfig
 from zcvae.export.load import load_for_inference
 from zcvae.model.cvae import ZCVAE
 from zcvae.templates import EncodedExample, collate
+from tiny_models import greedy_reference as decode_reference
 
 C_BASE = {"value": 0.25, "mode": "sum", "fingerprint": "f00d", "source": "validation"}
 X, Y = "3 1 4 1", "rev 1 4 1 3 = 3 1 4 1 ."
@@ -122,17 +123,7 @@ def test_load_for_inference(trained, exported, source):
 
 
 def greedy_reference(model, x: str, k: int, max_new_tokens: int) -> str:
-    """Greedy decoding written directly against the peft model (independent of zcvae.export.load)."""
-    t = model.tokens
-    ids = [t.bos, t.x_open, *example(model, x, "a").x_ids, t.x_close, t.z_open, t.latents[k], t.z_close, t.y_open]
-    out = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            nxt = int(model.peft_model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
-            if nxt in (t.y_close, t.eos):
-                break
-            out.append(nxt)
-    return model.tokenizer.decode(out)
+    return decode_reference(model, example(model, x, "a").x_ids, [model.tokens.latents[k]], max_new_tokens)
 
 
 def test_generate_cli_prints_one_line_per_latent(trained, exported, capsys):

@@ -12,6 +12,7 @@ from zcvae.config import TrainConfig
 from zcvae.export.load import load_for_inference
 from zcvae.model.cvae import ZCVAE
 from zcvae.templates import EncodedExample, collate
+from tiny_models import greedy_reference as decode_reference
 
 C_BASE = {"value": 0.25, "mode": "mean", "fingerprint": "f00d", "source": "validation"}
 X = "3 1 4 1"
@@ -23,17 +24,8 @@ def encoded(model, x: str, y: str) -> EncodedExample:
 
 
 def greedy_reference(model, x: str, k: int, max_new_tokens: int) -> str:
-    """Greedy decoding written against the peft model, with value k's M tokens in the z section."""
-    t = model.tokens
-    ids = [t.bos, t.x_open, *encoded(model, x, "a").x_ids, t.x_close, t.z_open, *t.latent_slots[k], t.z_close, t.y_open]
-    out = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            nxt = int(model.peft_model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
-            if nxt in (t.y_close, t.eos):
-                break
-            out.append(nxt)
-    return model.tokenizer.decode(out)
+    """Value k's M tokens in the z section."""
+    return decode_reference(model, encoded(model, x, "a").x_ids, model.tokens.latent_slots[k], max_new_tokens)
 
 
 def test_multi_slot_discrete_export_load_and_generate(tmp_path, capsys, tiny_backbone, checkpointed_run):
