@@ -58,8 +58,8 @@ def test_objective_flag_expands_to_all_six_weights_and_alpha(name):
 def test_objective_raw_reproduces_the_library_defaults():
     lib = ReconstructionLossConfig()
     assert reconstruction_weights(train_cfg("--objective", "raw").reconstruction_config()) == reconstruction_weights(lib)
-    assert train_cfg("--objective", "raw").objective.token_weight_alpha == lib.objective.token_weight_alpha
-    assert TrainConfig().objective == "raw" and weights(TrainConfig()) == weights(train_cfg("--objective", "raw"))
+    assert train_cfg("--objective", "raw").objective.token_weight_alpha == lib.token_weight_alpha
+    assert TrainConfig().objective.objective == "raw" and weights(TrainConfig()) == weights(train_cfg("--objective", "raw"))
 
 
 def test_explicit_weight_flags_win_entry_by_entry():

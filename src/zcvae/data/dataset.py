@@ -29,7 +29,7 @@ def load_splits(cfg) -> Splits:
     """Train and validation examples for a :class:`~zcvae.config.TrainConfig`."""
     if cfg.data.train_data is not None:
         for name in ("train_data", "val_data"):
-            path = getattr(cfg, name)
+            path = getattr(cfg.data, name)
             if not os.path.isfile(path):
                 what = "is a directory, not a JSONL file" if os.path.isdir(path) else "does not exist"
                 raise ValueError(f"{name} {path!r} {what}")

@@ -138,7 +138,7 @@ def test_token_weighting_family_is_matched_alpha_on_the_late_decision_tasks():
     assert len(cfgs) == len(arms) == 72
     assert {(c.data.task, c.model.num_latents, c.model.posterior_pooling) for c in cfgs} == {("sort3", 3, "mean"), ("mul", 3, "last")}
     for c in cfgs:
-        weighted = {f for f in RECONSTRUCTION_WEIGHT_FIELDS if getattr(c, f) > 0}
+        weighted = {f for f in RECONSTRUCTION_WEIGHT_FIELDS if getattr(c.objective, f) > 0}
         assert weighted == {f for f, v in preset_values(c.objective.objective).items() if f in RECONSTRUCTION_WEIGHT_FIELDS and v > 0}
     family = load_family(FAMILIES / "token-weighting.yaml")
     runs = local_plan(family, output_dir="/tmp/tw")
