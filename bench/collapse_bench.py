@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         print(f"note: {len(times)} steps; the windows overlap (use --steps >= {WARMUP + FIRST + LAST})")
     ratio = statistics.median(last) / statistics.median(first)
     print(f"command: python bench/collapse_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
-    print(f"task {task}, objective raw mean, beta {cfg.kl_weight} ({cfg.kl_schedule}), {args.steps} steps x {args.batch_size}; "
+    print(f"task {task}, objective raw mean, beta {cfg.objective.kl_weight} ({cfg.objective.kl_schedule}), {args.steps} steps x {args.batch_size}; "
           f"threads {meta['cpu']['num_threads']} ({meta['cpu']['num_threads_from']}), flush_denormals {meta['cpu']['flush_denormals']}")
     print(f"load average before {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, after {'/'.join(f'{v:.1f}' for v in os.getloadavg())}; wall {wall:.0f} s incl. evaluation")
     print(f"final nmi {final.get('nmi', float('nan')):.3f}, kl {final.get('kl', float('nan')):.4f} (collapsed: nmi < 0.2)")

@@ -124,14 +124,14 @@ def step_examples(cfg, backbone: str, *, world: int) -> list[list[tuple[int, int
     from zcvae.data.dataset import global_batch_indices, load_splits
     from zcvae.templates import encode_examples, prepare_tokenizer
 
-    global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
+    global_batch = cfg.optimization.micro_batch_size * cfg.optimization.gradient_accumulation_steps * world
     tokenizer = AutoTokenizer.from_pretrained(backbone, local_files_only=True)
-    tokens = prepare_tokenizer(tokenizer, num_latents=cfg.num_latents if cfg.latent_type == "discrete" else 0,
-                               num_z_slots=cfg.num_z_slots)
-    enc, _ = encode_examples(load_splits(cfg).train, tokenizer, tokens, max_length=cfg.max_length, num_z_slots=cfg.num_z_slots)
+    tokens = prepare_tokenizer(tokenizer, num_latents=cfg.model.num_latents if cfg.model.latent_type == "discrete" else 0,
+                               num_z_slots=cfg.model.num_z_slots)
+    enc, _ = encode_examples(load_splits(cfg).train, tokenizer, tokens, max_length=cfg.data.max_length, num_z_slots=cfg.model.num_z_slots)
     return [[(len(enc[i].x_ids), len(enc[i].y_ids))
-             for i in global_batch_indices(num_examples=len(enc), global_batch_size=global_batch, step=s, seed=cfg.seed)]
-            for s in range(cfg.max_steps)]
+             for i in global_batch_indices(num_examples=len(enc), global_batch_size=global_batch, step=s, seed=cfg.optimization.seed)]
+            for s in range(cfg.optimization.max_steps)]
 
 
 def step_flops(cfg, backbone: str, steps: list[list[tuple[int, int]]]) -> list[tuple[float, float]]:
@@ -140,10 +140,10 @@ def step_flops(cfg, backbone: str, steps: list[list[tuple[int, int]]]) -> list[t
     from zcvae.model.cvae import ZCVAE
 
     SB = _step_bench()
-    shape = SB.Shape.of(ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.seed))  # on CPU: only its shape is read
+    shape = SB.Shape.of(ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.optimization.seed))  # on CPU: only its shape is read
     out = []
     for step in steps:
-        per_example = [SB.step_flops(shape, kind="cvae", B=1, x_len=x, y_len=y, K=cfg.num_latents, share=cfg.share_x_prefix,
+        per_example = [SB.step_flops(shape, kind="cvae", B=1, x_len=x, y_len=y, K=cfg.model.num_latents, share=cfg.model.share_x_prefix,
                                      online=True, slots=cfg.slot_tokens) for x, y in step]
         out.append((sum(f[0] for f in per_example), sum(f[1] for f in per_example)))
     return out
@@ -155,7 +155,7 @@ def lora_step_ms(cfg, backbone: str, *, batch_size: int, x_len: int, y_len: int,
     from zcvae.engines import EngineConfig
 
     SB = _step_bench()
-    ecfg = EngineConfig(engine=cfg.engine, deepspeed_config=cfg.deepspeed_config, precision=cfg.precision)
+    ecfg = EngineConfig(engine=cfg.engine.engine, deepspeed_config=cfg.engine.deepspeed_config, precision=cfg.engine.precision)
     bench = SB.Bench(backbone, args=argparse.Namespace(batch_size=batch_size, x_len=x_len, y_len=y_len), device=device,
                      engine_cfg=ecfg, dtype="float32")
     step = bench.lora(y_len)

@@ -218,7 +218,7 @@ class Bench:
     def __init__(self, backbone_dir: str, *, args, device: torch.device, engine_cfg: EngineConfig, dtype: str):
         self.dir, self.args, self.device, self.engine_cfg, self.dtype = backbone_dir, args, device, engine_cfg, dtype
         # beta 1 from the first step, as the cost of a step past the KL delay
-        self.train_cfg = TrainConfig(kl_schedule="constant")
+        self.train_cfg = TrainConfig.from_flat(kl_schedule="constant")
         self.recon_cfg = self.train_cfg.reconstruction_config()
         self.aux = AuxiliaryWeights.from_train_config(self.train_cfg)
         self.models: dict[tuple, tuple[ZCVAE, object]] = {}

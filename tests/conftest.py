@@ -172,6 +172,6 @@ def perturbed_model() -> Callable[..., tuple]:
 @pytest.fixture(scope="session")
 def checkpointed_run() -> Callable[..., Path]:
     """``checkpointed_run(model, batch, cfg, *, scale, step, c_base) -> run_dir`` (tests/tiny_models.py): every
-    trainable tensor moved by ``scale``, saved as ``cfg.output_dir`` with one complete checkpoint and
+    trainable tensor moved by ``scale``, saved as ``cfg.run.output_dir`` with one complete checkpoint and
     run_config.json, as the trainer leaves a run."""
     return _checkpointed_run

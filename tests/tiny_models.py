@@ -82,7 +82,7 @@ def perturbed_model(backbone: str | Path, config, *, lengths: Iterable[tuple[int
 
 def checkpointed_run(model, batch, cfg, *, scale: float, step: int, c_base: dict) -> Path:
     """Calibrate the router on ``batch``, move every trainable tensor of ``model`` by ``scale`` * N(0, 1) (seed 1),
-    and save it as the run directory ``cfg.output_dir``: a complete checkpoint of ``step`` (local engine) and
+    and save it as the run directory ``cfg.run.output_dir``: a complete checkpoint of ``step`` (local engine) and
     run_config.json with ``c_base``. -> the run directory (it must not exist yet)."""
     from zcvae.engines import EngineConfig, build_engine
     from zcvae.runs.checkpoint import CheckpointManager
@@ -95,7 +95,7 @@ def checkpointed_run(model, batch, cfg, *, scale: float, step: int, c_base: dict
                 p.add_(scale * torch.randn(p.shape, generator=gen))
     engine = build_engine(EngineConfig(engine="local"), model=model,
                           param_groups=model.param_groups(lora_lr=1e-3, latent_lr=1e-3, weight_decay=0.0), learning_rate=1e-3)
-    run_dir = Path(cfg.output_dir)
+    run_dir = Path(cfg.run.output_dir)
     run_dir.mkdir()
     CheckpointManager(run_dir / "checkpoints", keep=1, is_main=True).save(engine, step=step, config=cfg, c_base=c_base)
     (run_dir / "run_config.json").write_text(json.dumps({"config": cfg.to_dict(), "c_base": c_base}))

@@ -3,7 +3,7 @@
 The stable public API (kept from here on; every other module path is internal and may move):
 
     ZCVAE, ModelConfig, CVAEOutput                      the model, its config, its outputs
-    TrainConfig                                         the flat training config (CLI flags = its fields)
+    TrainConfig                                         the training config in sections (CLI flags = their fields)
     ReconstructionLossConfig, reconstruction_terms,     the six reconstruction terms
     RECONSTRUCTION_TERMS
     ReconstructionTerm, register_term                   a new reconstruction term (before zcvae.config loads)

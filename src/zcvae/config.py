@@ -20,10 +20,10 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY, term_by_abbreviation, with_term_weight_fields
-from zcvae.strict import StrictDataclass, check_keys
+from zcvae.strict import StrictDataclass
 
 
 def _f(default, help: str, **kw):
@@ -31,19 +31,21 @@ def _f(default, help: str, **kw):
 
 
 @dataclass
-@with_term_weight_fields(
-    after="reconstruction_loss_sum_scale",
-    make_field=lambda term: _f(term.default_weight, f"Weight of {term.name} ({term.abbreviation}): {term.description}"),
-)
-class TrainConfig(StrictDataclass):
-    # ---- data
+class DataSection(StrictDataclass):
+    """What the run trains and validates on."""
+
     task: str | None = _f(None, "Built-in synthetic task family (the default task when neither --task nor --train-data is given).")
     train_data: str | None = _f(None, "JSONL file with fields id, x, y and optional strategy (instead of --task).")
     val_data: str | None = _f(None, "Validation JSONL file (required with --train-data).")
     num_train_examples: int = _f(4000, "Training examples generated for a built-in task.")
     num_val_examples: int = _f(400, "Validation examples generated for a built-in task.")
     max_length: int = _f(64, "Maximum z-conditioned sequence length; x is truncated from the left, an example whose y cannot fit is skipped and counted.")
-    # ---- backbone and latent
+
+
+@dataclass
+class ModelSection(StrictDataclass):
+    """The backbone and the latent: what :class:`~zcvae.model.config.ModelConfig` is built from."""
+
     backbone: str | None = _f(None, "Local Hugging Face checkpoint directory of the causal LM, or a .gguf file (dequantized into a cached checkpoint, see `zcvae convert-gguf`); the built-in tiny backbone pretrained on the task when omitted.")
     trust_remote_code: bool = _f(False, "Allow the backbone's own modelling code to run (off unless you trust the checkpoint).")
     allow_fresh_markers: bool = _f(False, "Train on a backbone whose tokenizer lacks the template markers (<x> </x> <z> </z> <y> </y> <znull>) instead of exiting with the `zcvae pretrain --backbone` command that builds its entangled checkpoint; the added marker rows then train as trainable tokens, like the z rows (for studying a raw backbone as the reference).")
@@ -62,7 +64,16 @@ class TrainConfig(StrictDataclass):
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass.")
     posterior_pooling: str = _f("last", "What q(z|x,y) reads: last (the final state at </y>) or mean (the mean final state over <y> y </y>; for strategies that part mid-y and end alike).", choices=("last", "mean"))
     share_x_prefix: bool = _f(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact, also under gradient checkpointing; falls back with a reason where unsupported).")
-    # ---- reconstruction (docs/objective.md: the terms and the aggregation modes)
+
+
+@dataclass
+@with_term_weight_fields(
+    after="reconstruction_loss_sum_scale",
+    make_field=lambda term: _f(term.default_weight, f"Weight of {term.name} ({term.abbreviation}): {term.description}"),
+)
+class ObjectiveSection(StrictDataclass):
+    """The training objective: the reconstruction terms (one weight per registered term), c_base, the KL and its schedule, the auxiliaries."""
+
     objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tok, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: zcvae.config.DEFAULT_OBJECTIVE (TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tok", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Token aggregation of every reconstruction term: mean (per-example token mean, then an example mean), sum (per-example token sum, then an example mean) or token (the global token mean: every supervised token of the global batch, all ranks and micro-batches, weighs the same).", choices=("mean", "sum", "token"))
     reconstruction_loss_sum_scale: float | None = _f(None, "Sum mode only: divide each example's token sum by this constant C (Dr. GRPO's fixed divisor); c_base is divided by C too, so only raw, tok and ex change. Omitted: 1.")
@@ -72,7 +83,6 @@ class TrainConfig(StrictDataclass):
     zfree_reference_scale: float | None = _f(None, "Fixed c_base; when omitted it is the validation mean of A_mode(b_i) in the selected mode.")
     reference_policy: str = _f("auto", "z-free reference: online (a forward per batch), precomputed (a store), auto (precomputed when data is seen more than once).", choices=("auto", "online", "precomputed"))
     reference_cache_dir: str | None = _f(None, "Directory of precomputed reference stores (default ~/.cache/zcvae/reference).")
-    # ---- KL and auxiliaries (docs/objective.md: the KL and its schedules, auxiliaries)
     kl_weight: float = _f(1.0, "beta, the final weight of KL(q || p).")
     kl_weight_scale: str = _f("none", "none, or tokens: beta is multiplied by the validation mean of n_i (supervised tokens per example), the explicit beta control for sum aggregation (docs/objective.md).", choices=("none", "tokens"))
     kl_weight_factor: float | None = _f(None, "The multiplier of beta that kl-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
@@ -85,7 +95,12 @@ class TrainConfig(StrictDataclass):
     router_marginal_kl_weight: float = _f(0.0, "Weight of KL(mean q || uniform) over the global batch.")
     inter_latent_divergence_weight: float = _f(0.0, "Weight of -inter_latent_divergence (positive pushes latents apart).")
     posterior_variance_weight: float = _f(0.0, "Gaussian: weight of the posterior variance term.")
-    # ---- optimisation
+
+
+@dataclass
+class OptimizationSection(StrictDataclass):
+    """Steps, batches, learning rates and their schedule, the seed."""
+
     max_steps: int = _f(300, "Optimizer steps.")
     micro_batch_size: int = _f(16, "Examples per rank per micro-batch.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
@@ -96,97 +111,241 @@ class TrainConfig(StrictDataclass):
     warmup_steps: int = _f(10, "Linear learning-rate warm-up steps.")
     min_lr_ratio: float = _f(0.1, "Cosine decay floor as a fraction of the peak learning rate.")
     seed: int = _f(0, "Seed of data order, initialisation and sampling.")
-    # ---- engine
+
+
+@dataclass
+class EngineSection(StrictDataclass):
+    """How the step is executed across processes and devices."""
+
     engine: str = _f("local", "local (DDP when launched with several processes), deepspeed or fsdp2.", choices=("local", "deepspeed", "fsdp2"))
     deepspeed_config: str | None = _f(None, "DeepSpeed JSON config (ds_configs/zero2.json when omitted).")
     precision: str = _f("fp32", "fp32 or bf16.", choices=("fp32", "bf16"))
     cpu_offload: bool = _f(False, "Offload optimizer state (and ZeRO-3 parameters) to CPU.")
-    # ---- run, logging, evaluation, checkpoints
+
+
+@dataclass
+class RunSection(StrictDataclass):
+    """The run directory, logging, checkpoints, resuming."""
+
     output_dir: str = _f("runs/zcvae", "Run directory (created).")
     run_name: str | None = _f(None, "Run name (derived from the parameters that differ from the defaults when omitted).")
     log_every: int = _f(10, "Log train metrics every N steps.")
-    eval_every: int = _f(0, "Evaluate every N steps (0: only at the end).")
     grad_probe_every: int = _f(0, "Every N steps, log the norms of the reconstruction and the KL gradient on the router's posterior head and on the LoRA weights, separately, their ratio and t0/T (the dilution argument, docs/objective.md#dilution; zcvae.train.grad_probe; records of split grad_probe in metrics.jsonl). 0: off. Changes no training number. Cost on a probed step: two extra backward passes per micro-batch (the reconstruction one about as long as the step's own backward, the KL one through the router pass only) and one all-reduce of those gradients. Needs --engine local.")
-    num_eval_decode_examples: int = _f(64, "Validation x decoded with each latent for controllability.")
-    max_new_tokens: int | None = _f(None, "Greedy decoding length (the longest validation y + 2 when omitted).")
     progress_bar: bool = _f(True, "Show a progress bar on rank 0.")
     save_every: int = _f(0, "Save a resumable checkpoint every N steps (0: only at the end).")
     keep_last_checkpoints: int = _f(2, "Resumable checkpoints kept.")
     resume: str | None = _f(None, "Resume from a checkpoint directory, or 'auto' for the newest complete one in the run directory.")
     skip_nonfinite_steps: int = _f(0, "Non-finite steps (loss or gradient norm NaN/inf; their update is skipped) to pass over, each logged, before the run stops as diverged (0: stop at the first).")
 
+
+@dataclass
+class EvaluationSection(StrictDataclass):
+    """Evaluation during and at the end of the run."""
+
+    eval_every: int = _f(0, "Evaluate every N steps (0: only at the end).")
+    num_eval_decode_examples: int = _f(64, "Validation x decoded with each latent for controllability.")
+    max_new_tokens: int | None = _f(None, "Greedy decoding length (the longest validation y + 2 when omitted).")
+
+# Section name -> its dataclass, in the order of run_config.json and of the CLI help.
+SECTIONS: dict[str, type] = {
+    "data": DataSection,
+    "model": ModelSection,
+    "objective": ObjectiveSection,
+    "optimization": OptimizationSection,
+    "engine": EngineSection,
+    "run": RunSection,
+    "evaluation": EvaluationSection,
+}
+
+
+def _flat_key_table() -> dict[str, str]:
+    """Flat key (CLI flag, flat YAML key, run-name field) -> its section, read off the section dataclasses."""
+    table: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if f.name in table:
+                raise ValueError(f"config field {f.name!r} is in two sections, {table[f.name]!r} and {section!r}: a flat key must name one field")
+            table[f.name] = section
+    return table
+
+
+# Every flat key maps to exactly one section.
+FLAT_KEYS: dict[str, str] = _flat_key_table()
+
+
+def flat_fields() -> list[dataclasses.Field]:
+    """The fields of every section, in section order: one CLI flag each."""
+    return [f for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+
+
+def field_defaults() -> dict[str, Any]:
+    """Flat key -> its field's default (``objective`` None: unresolved), the defaults run names are read against."""
+    return {f.name: f.default for f in flat_fields()}
+
+
+def flat_values(values: Mapping[str, Any], *, source: str = "config") -> dict[str, Any]:
+    """Flat keys from ``values``, which may hold flat keys (``learning_rate: ...``), sections
+    (``optimization: {learning_rate: ...}``) or both; keys may use dashes. ``objective`` and ``engine`` are
+    both a section and a flat key: a mapping is the section, anything else the flat key.
+
+    ValueError naming the key for an unknown key, a key that is not in the section it is given under, and a
+    key given both flat and in its section.
+    """
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{source} must be a mapping, got {type(values).__name__}")
+    out: dict[str, Any] = {}
+    where: dict[str, str] = {}
+
+    def put(key: str, value: Any, given_as: str) -> None:
+        if key in out:
+            raise ValueError(f"{source}: {key} is given twice, as {where[key]} and as {given_as}; give it once")
+        out[key], where[key] = value, given_as
+
+    unknown = []
+    for raw_key, value in values.items():
+        key = str(raw_key).replace("-", "_")
+        if key in SECTIONS and isinstance(value, Mapping):
+            for raw_sub, sub_value in value.items():
+                sub = str(raw_sub).replace("-", "_")
+                if FLAT_KEYS.get(sub) != key:
+                    hint = f" (it belongs in section {FLAT_KEYS[sub]!r})" if sub in FLAT_KEYS else ""
+                    raise ValueError(f"{source}: unknown key {key}.{sub}{hint}; section {key!r} has keys "
+                                     f"{sorted(f.name for f in dataclasses.fields(SECTIONS[key]))}")
+                put(sub, sub_value, f"{key}.{sub}")
+        elif key in FLAT_KEYS:
+            put(key, value, key)
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"{source} (see `zcvae train --help`): unknown keys {sorted(unknown)}; known keys: "
+                         f"{sorted(FLAT_KEYS)} (flat) or the sections {list(SECTIONS)}")
+    return out
+
+
+@dataclass
+class TrainConfig(StrictDataclass):
+    """The resolved training configuration, in sections (``cfg.optimization.max_steps``).
+
+    Each field of each section is also a flat key: the CLI flag ``--max-steps``, the flat YAML key
+    ``max_steps`` and the run-name field; :data:`FLAT_KEYS` maps it to its section. ``to_dict`` gives
+    the flat dict (run names, verdicts, aggregate tables), ``to_sections`` the nested one (run_config.json).
+    """
+
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
+    optimization: OptimizationSection = field(default_factory=OptimizationSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    run: RunSection = field(default_factory=RunSection)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+
     def __post_init__(self) -> None:
-        if self.objective is None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"TrainConfig.{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        if self.objective.objective is None:
             # constructed directly (library use): name what the weights amount to
-            self.objective = matching_objective(self.to_dict())
+            self.objective = dataclasses.replace(self.objective, objective=matching_objective(self.to_dict()))
         validate(self)
 
     # -- construction
     @classmethod
-    def from_dict(cls, values: dict[str, Any], *, source: str = "config", default_objective: str | None = None) -> "TrainConfig":
-        """Build from a dict of the fields that were *given*; the objective is resolved by
-        :func:`expand_objective` (so a dict must hold only what a user set, not a full default dict)."""
-        check_keys(cls, values, what=f"{source} (see `zcvae train --help`)")
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config", default_objective: str | None = None) -> "TrainConfig":
+        """Build from a dict of the fields that were *given*, flat, in sections or both (:func:`flat_values`);
+        the objective is resolved by :func:`expand_objective` (so a dict must hold only what a user set, not a
+        full default dict). Reads run_config.json's ``config`` of both layouts: nested, and flat as written
+        before the sections."""
+        values = flat_values(values, source=f"{source}")
         check_types(cls, values, source=source)
-        return cls(**expand_objective(values, default=default_objective))
+        return cls.from_flat(expand_objective(values, default=default_objective))
 
-    # -- derived sub-configs
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any] | None = None, /, **kwargs: Any) -> "TrainConfig":
+        """Build from flat keys as given (``TrainConfig.from_flat(max_steps=10)``), without resolving an
+        objective preset: what constructing the flat dataclass did before the sections."""
+        given = flat_values({**(values or {}), **kwargs}, source="TrainConfig")
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in given.items():
+            grouped[FLAT_KEYS[key]][key] = value
+        return cls(**{name: SECTIONS[name](**grouped[name]) for name in SECTIONS})
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with flat keys changed (validated again); the config itself stays as it is."""
+        given = flat_values(changes, source="TrainConfig.replace")
+        sections = {name: getattr(self, name) for name in SECTIONS}
+        for key, value in given.items():
+            sections[FLAT_KEYS[key]] = dataclasses.replace(sections[FLAT_KEYS[key]], **{key: value})
+        return dataclasses.replace(self, **sections)
+
+    # -- views
+    def to_dict(self) -> dict[str, Any]:
+        """The flat dict, one key per field (run names, verdicts, aggregate tables read this)."""
+        return {k: v for name in SECTIONS for k, v in dataclasses.asdict(getattr(self, name)).items()}
+
+    def to_sections(self) -> dict[str, dict[str, Any]]:
+        """The nested dict, one mapping per section (run_config.json's ``config``)."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    # -- derived sub-configs: each built from its section, here only
     def reconstruction_config(self):
         from zcvae.core.losses import ReconstructionLossConfig
 
+        o = self.objective
         return ReconstructionLossConfig(
-            **{term.weight_field: getattr(self, term.weight_field) for term in RECONSTRUCTION_TERM_REGISTRY},
-            token_weight_alpha=self.token_weight_alpha,
-            example_inverse_surprisal_epsilon=self.example_inverse_surprisal_epsilon,
-            inverse_surprisal_token_weight_epsilon=self.inverse_surprisal_token_weight_epsilon,
-            zfree_reference_scale=self.zfree_reference_scale,
-            token_aggregation_mode=self.reconstruction_loss_token_aggregation_mode,
-            sum_scale=self.reconstruction_loss_sum_scale,
+            **{term.weight_field: getattr(o, term.weight_field) for term in RECONSTRUCTION_TERM_REGISTRY},
+            token_weight_alpha=o.token_weight_alpha,
+            example_inverse_surprisal_epsilon=o.example_inverse_surprisal_epsilon,
+            inverse_surprisal_token_weight_epsilon=o.inverse_surprisal_token_weight_epsilon,
+            zfree_reference_scale=o.zfree_reference_scale,
+            token_aggregation_mode=o.reconstruction_loss_token_aggregation_mode,
+            sum_scale=o.reconstruction_loss_sum_scale,
         )
 
     def model_config(self):
         from zcvae.model.config import ModelConfig
 
+        m = self.model
         return ModelConfig(
-            latent_type=self.latent_type,
-            num_latents=self.num_latents,
-            latent_dim=self.latent_dim,
-            num_z_slots=self.num_z_slots,
-            num_latent_samples=self.num_latent_samples,
-            learned_prior=self.learned_prior,
-            lora_r=self.lora_r,
-            lora_alpha=self.lora_alpha,
-            lora_dropout=self.lora_dropout,
-            lora_target_modules=self.lora_target_modules,
-            branch_chunk_size=self.branch_chunk_size,
-            z_init_noise=self.z_init_noise,
-            gradient_checkpointing=self.gradient_checkpointing,
-            posterior_pooling=self.posterior_pooling,
-            share_x_prefix=self.share_x_prefix,
-            trust_remote_code=self.trust_remote_code,
-            train_fresh_markers=self.allow_fresh_markers,
+            latent_type=m.latent_type,
+            num_latents=m.num_latents,
+            latent_dim=m.latent_dim,
+            num_z_slots=m.num_z_slots,
+            num_latent_samples=m.num_latent_samples,
+            learned_prior=m.learned_prior,
+            lora_r=m.lora_r,
+            lora_alpha=m.lora_alpha,
+            lora_dropout=m.lora_dropout,
+            lora_target_modules=m.lora_target_modules,
+            branch_chunk_size=m.branch_chunk_size,
+            z_init_noise=m.z_init_noise,
+            gradient_checkpointing=m.gradient_checkpointing,
+            posterior_pooling=m.posterior_pooling,
+            share_x_prefix=m.share_x_prefix,
+            trust_remote_code=m.trust_remote_code,
+            train_fresh_markers=m.allow_fresh_markers,
         )
 
     def engine_config(self):
         from zcvae.engines import EngineConfig
 
         return EngineConfig(
-            engine=self.engine,
-            deepspeed_config=self.deepspeed_config,
-            precision=self.precision,
-            gradient_checkpointing=self.gradient_checkpointing,
-            cpu_offload=self.cpu_offload,
+            engine=self.engine.engine,
+            deepspeed_config=self.engine.deepspeed_config,
+            precision=self.engine.precision,
+            gradient_checkpointing=self.model.gradient_checkpointing,
+            cpu_offload=self.engine.cpu_offload,
         )
 
     @property
     def effective_kl_weight(self) -> float:
         """The final beta actually applied: ``kl_weight`` times the resolved ``kl_weight_factor``."""
-        return self.kl_weight * (1.0 if self.kl_weight_factor is None else self.kl_weight_factor)
+        o = self.objective
+        return o.kl_weight * (1.0 if o.kl_weight_factor is None else o.kl_weight_factor)
 
     @property
     def slot_tokens(self) -> int:
         """M, the length of the z section, for both latent types (each discrete value owns M rows)."""
-        return self.num_z_slots
+        return self.model.num_z_slots
 
 
 # One weight field per registered reconstruction term (core/terms.py), in registry order.
@@ -269,7 +428,7 @@ TOKEN_WEIGHTED_FIELDS = (_W_TOK, _W_TOKCC, _W_TOKINV)
 
 def aggregation_label(config: dict[str, Any]) -> str:
     """The aggregation mode as tables show it: ``mean``, ``sum``, ``token``, or ``sum/C`` with a sum scale."""
-    mode = str(config.get("reconstruction_loss_token_aggregation_mode", TrainConfig.reconstruction_loss_token_aggregation_mode))
+    mode = str(config.get("reconstruction_loss_token_aggregation_mode", ObjectiveSection.reconstruction_loss_token_aggregation_mode))
     scale = config.get("reconstruction_loss_sum_scale")
     return mode if scale is None else f"{mode}/{scale:g}"
 
@@ -283,7 +442,7 @@ def token_weighting_confounds(configs: Iterable[dict[str, Any]]) -> list[str]:
     here as ``zcvae train`` resolves them: preset weights and alpha, DEFAULT_OBJECTIVE when none is named)
     or the resolved configs of run_config.json. Quiet when every preset has the same alphas.
     """
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    defaults = field_defaults()
     by_mode: dict[str, dict[str, set[float]]] = {}
     for params in configs:
         cfg = {**defaults, **expand_objective(dict(params), default=DEFAULT_OBJECTIVE)}
@@ -305,7 +464,7 @@ def token_weighting_confounds(configs: Iterable[dict[str, Any]]) -> list[str]:
 def naming_defaults(params: dict[str, Any]) -> dict[str, Any]:
     """Defaults to name a run against: TrainConfig's, with the weights of the run's objective, so a name
     reads ``obj-dist`` and lists a weight only where it differs from the preset."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    defaults = field_defaults()
     name = params.get("objective")
     if name in OBJECTIVE_PRESETS:
         defaults.update(preset_values(name))
@@ -329,9 +488,10 @@ def parse_train_run_name(name: str) -> dict[str, Any]:
     return parse_run_name(name, naming_defaults({"objective": first.get("objective")}))
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Cross-field rules in one place; ValueError names the field."""
-    for f in dataclasses.fields(cfg):
+def validate(config: TrainConfig) -> None:
+    """Cross-field rules in one place; ValueError names the field by its flat key (the flag and YAML key)."""
+    cfg = types.SimpleNamespace(**config.to_dict())  # the rules read the flat view, as their messages name it
+    for f in flat_fields():
         choices = f.metadata.get("choices")
         value = getattr(cfg, f.name)
         if choices and value not in choices:
@@ -352,7 +512,7 @@ def validate(cfg: TrainConfig) -> None:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not any(getattr(cfg, name) > 0 for name in RECONSTRUCTION_WEIGHT_FIELDS):
         raise ValueError("at least one reconstruction weight must be > 0 (e.g. reconstruction_weight)")
-    if cfg.latent_type == "continuous" and cfg.num_latents != TrainConfig.num_latents:
+    if cfg.latent_type == "continuous" and cfg.num_latents != ModelSection.num_latents:
         # K would be ignored, yet the run name would carry it (K-4): say so instead
         raise ValueError(f"num_latents (K = {cfg.num_latents}) applies to the discrete latent only; with latent_type continuous "
                          f"set latent_dim, num_z_slots or num_latent_samples instead, and leave num_latents out")
@@ -417,7 +577,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
 def check_types(cls, values: dict[str, Any], *, source: str = "config") -> None:
     """ValueError naming the field when a value's type does not fit the field's annotation
     (``max_steps: "two"`` in a YAML file would otherwise fail deep inside training)."""
-    hints = typing.get_type_hints(cls)
+    hints = ({k: v for s in SECTIONS.values() for k, v in typing.get_type_hints(s).items()} if cls is TrainConfig
+             else typing.get_type_hints(cls))
     for name, value in values.items():
         tp = hints.get(name)
         if tp is not None and not _type_ok(value, tp):
@@ -447,19 +608,21 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 def kl_weight_at(cfg: TrainConfig, step: int) -> float:
     """beta at optimizer step ``step`` (0-based) under the configured schedule, times ``kl_weight_factor``."""
-    if cfg.kl_schedule == "constant":
+    o, max_steps = cfg.objective, cfg.optimization.max_steps
+    if o.kl_schedule == "constant":
         return cfg.effective_kl_weight
-    period = cfg.max_steps if cfg.kl_schedule == "delay-ramp" else max(1, cfg.max_steps // cfg.kl_cycles)
-    frac = (step % period) / period if cfg.kl_schedule == "cyclical" else step / period
-    if frac < cfg.kl_delay_fraction:
+    period = max_steps if o.kl_schedule == "delay-ramp" else max(1, max_steps // o.kl_cycles)
+    frac = (step % period) / period if o.kl_schedule == "cyclical" else step / period
+    if frac < o.kl_delay_fraction:
         return 0.0
-    if cfg.kl_ramp_fraction == 0:
+    if o.kl_ramp_fraction == 0:
         return cfg.effective_kl_weight
-    return cfg.effective_kl_weight * min(1.0, (frac - cfg.kl_delay_fraction) / cfg.kl_ramp_fraction)
+    return cfg.effective_kl_weight * min(1.0, (frac - o.kl_delay_fraction) / o.kl_ramp_fraction)
 
 
 def lr_factor_at(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up then cosine decay to ``min_lr_ratio`` of the peak (``core.schedule.lr_multiplier``)."""
     from zcvae.core.schedule import lr_multiplier
 
-    return lr_multiplier(step, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio)
+    o = cfg.optimization
+    return lr_multiplier(step, warmup_steps=o.warmup_steps, max_steps=o.max_steps, min_lr_ratio=o.min_lr_ratio)

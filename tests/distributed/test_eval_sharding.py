@@ -41,14 +41,14 @@ def run_evaluation(backbone: str, engine_name: str, run_dir: str | None) -> dict
     from zcvae.templates import collate, encode_examples
     import zcvae.eval.summary as summary_module
 
-    cfg = TrainConfig(task="copy", backbone=backbone, micro_batch_size=2, num_eval_decode_examples=5, max_new_tokens=4,
+    cfg = TrainConfig.from_flat(task="copy", backbone=backbone, micro_batch_size=2, num_eval_decode_examples=5, max_new_tokens=4,
                       reference_policy="online", num_latents=3, engine=engine_name)
     task = get_task("copy")
     model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=0)
     calib, _ = encode_examples(make_examples(task, seed=1, split="train", num_examples=8), model.tokenizer, model.tokens,
-                               max_length=cfg.max_length, num_z_slots=1)
+                               max_length=cfg.data.max_length, num_z_slots=1)
     val, _ = encode_examples(make_examples(task, seed=0, split="val", num_examples=NUM_VAL), model.tokenizer, model.tokens,
-                             max_length=cfg.max_length, num_z_slots=1)
+                             max_length=cfg.data.max_length, num_z_slots=1)
     with torch.no_grad():
         model.encode(collate(calib, model.tokens, num_z_slots=1))  # router statistics, same batch on every rank
         g = torch.Generator().manual_seed(1)

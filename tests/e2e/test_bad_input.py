@@ -188,7 +188,7 @@ def test_11_yaml_values_are_type_checked_naming_the_field(tiny_backbone, tmp_pat
     good = tmp_path / "good.yaml"
     good.write_text("kl_weight: 1\nmax_grad_norm: null\nzfree_reference_scale: 2\nlora_target_modules: [q_proj, v_proj]\n")
     cfg = TrainConfig.from_dict(load_config_file(good))
-    assert (cfg.kl_weight, cfg.max_grad_norm, cfg.zfree_reference_scale) == (1, None, 2)
+    assert (cfg.objective.kl_weight, cfg.optimization.max_grad_norm, cfg.objective.zfree_reference_scale) == (1, None, 2)
 
 
 def test_missing_config_file_is_refused(tmp_path, capsys, env):

@@ -1,11 +1,12 @@
-"""The flat config: every field is a flag, files and flags merge, unknown keys and bad values fail."""
+"""The config in sections: every field is a flag and a flat key of one section, files (flat or nested) and flags
+merge, unknown keys, keys given twice and bad values fail, and old flat run configs still load."""
 
 import json
 
 import pytest
 
 from zcvae.commands.cli import add_config_flags, resolve_train_config
-from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at
+from zcvae.config import FLAT_KEYS, TrainConfig, kl_weight_at, lr_factor_at
 
 
 def _parse(argv):
@@ -27,23 +28,23 @@ def test_issue_flags_exist_and_set_fields():
         "--max-steps", "7", "--micro-batch-size", "3", "--gradient-accumulation-steps", "2", "--seed", "5",
         "--engine", "fsdp2", "--no-progress-bar", "--lora-target-modules", "q_proj", "v_proj",
     ])
-    assert cfg.reconstruction_loss_token_aggregation_mode == "sum"
-    assert cfg.token_weighted_reconstruction_weight == 0.5
-    assert cfg.normalized_concentration_corrected_token_weighted_reconstruction_weight == 2.0
-    assert (cfg.token_weight_alpha, cfg.latent_type, cfg.latent_dim, cfg.kl_weight) == (0.5, "continuous", 4, 3.0)
-    assert (cfg.backbone, cfg.task, cfg.output_dir, cfg.max_steps) == ("/tmp/b", "sort", "o", 7)
-    assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.seed, cfg.engine) == (3, 2, 5, "fsdp2")
-    assert cfg.progress_bar is False and cfg.lora_target_modules == ["q_proj", "v_proj"]
+    assert cfg.objective.reconstruction_loss_token_aggregation_mode == "sum"
+    assert cfg.objective.token_weighted_reconstruction_weight == 0.5
+    assert cfg.objective.normalized_concentration_corrected_token_weighted_reconstruction_weight == 2.0
+    assert (cfg.objective.token_weight_alpha, cfg.model.latent_type, cfg.model.latent_dim, cfg.objective.kl_weight) == (0.5, "continuous", 4, 3.0)
+    assert (cfg.model.backbone, cfg.data.task, cfg.run.output_dir, cfg.optimization.max_steps) == ("/tmp/b", "sort", "o", 7)
+    assert (cfg.optimization.micro_batch_size, cfg.optimization.gradient_accumulation_steps, cfg.optimization.seed, cfg.engine.engine) == (3, 2, 5, "fsdp2")
+    assert cfg.run.progress_bar is False and cfg.model.lora_target_modules == ["q_proj", "v_proj"]
 
 
 def test_flags_win_over_the_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("kl-weight: 3\nseed: 4\nreconstruction_loss_token_aggregation_mode: sum\n")
     cfg = _parse(["--config", str(path), "--seed", "9"])
-    assert (cfg.kl_weight, cfg.seed, cfg.reconstruction_loss_token_aggregation_mode) == (3, 9, "sum")
+    assert (cfg.objective.kl_weight, cfg.optimization.seed, cfg.objective.reconstruction_loss_token_aggregation_mode) == (3, 9, "sum")
     jpath = tmp_path / "c.json"
     jpath.write_text(json.dumps({"num_latents": 3}))
-    assert _parse(["--config", str(jpath)]).num_latents == 3
+    assert _parse(["--config", str(jpath)]).model.num_latents == 3
 
 
 def test_unknown_keys_and_bad_values_name_the_field(tmp_path):
@@ -63,16 +64,16 @@ def test_unknown_keys_and_bad_values_name_the_field(tmp_path):
 
 
 def test_kl_schedule_delay_then_ramp_and_cyclical():
-    cfg = TrainConfig(max_steps=100, kl_weight=2.0, kl_delay_fraction=0.3, kl_ramp_fraction=0.2)
+    cfg = TrainConfig.from_flat(max_steps=100, kl_weight=2.0, kl_delay_fraction=0.3, kl_ramp_fraction=0.2)
     assert kl_weight_at(cfg, 0) == 0 and kl_weight_at(cfg, 29) == 0
     assert kl_weight_at(cfg, 40) == pytest.approx(1.0) and kl_weight_at(cfg, 50) == 2.0 and kl_weight_at(cfg, 99) == 2.0
-    cyc = TrainConfig(max_steps=100, kl_schedule="cyclical", kl_cycles=4, kl_weight=1.0, kl_delay_fraction=0.2, kl_ramp_fraction=0.4)
+    cyc = TrainConfig.from_flat(max_steps=100, kl_schedule="cyclical", kl_cycles=4, kl_weight=1.0, kl_delay_fraction=0.2, kl_ramp_fraction=0.4)
     assert kl_weight_at(cyc, 25) == 0 and kl_weight_at(cyc, 35) == pytest.approx(0.5) and kl_weight_at(cyc, 49) == 1.0
-    assert kl_weight_at(TrainConfig(kl_schedule="constant", kl_weight=0.7), 0) == 0.7
+    assert kl_weight_at(TrainConfig.from_flat(kl_schedule="constant", kl_weight=0.7), 0) == 0.7
 
 
 def test_lr_warmup_then_cosine_to_floor():
-    cfg = TrainConfig(max_steps=110, warmup_steps=10, min_lr_ratio=0.1)
+    cfg = TrainConfig.from_flat(max_steps=110, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_factor_at(cfg, 0) == pytest.approx(0.1) and lr_factor_at(cfg, 9) == pytest.approx(1.0)
     assert lr_factor_at(cfg, 10) == pytest.approx(1.0) and lr_factor_at(cfg, 110) == pytest.approx(0.1)
     assert lr_factor_at(cfg, 60) == pytest.approx(0.55)
@@ -84,5 +85,79 @@ def test_help_documents_every_field(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     text = capsys.readouterr().out
-    for name in TrainConfig.__dataclass_fields__:
+    for name in FLAT_KEYS:
         assert "--" + name.replace("_", "-") in text
+
+
+# ---- sections ----------------------------------------------------------------------------------------
+from pathlib import Path  # noqa: E402
+
+from zcvae.config import SECTIONS, flat_fields, flat_values  # noqa: E402
+from zcvae.runs.rundir import CONFIG_SECTIONS, flat_config, read_run_record  # noqa: E402
+
+# run_config.json as `zcvae train --task copy --max-steps 2` wrote it before the config had sections
+FLAT_RUN_CONFIG = Path(__file__).parents[1] / "data" / "run_config_flat.json"
+
+
+def test_every_flat_key_is_a_field_of_exactly_one_section():
+    names = [f.name for f in flat_fields()]
+    assert len(names) == len(set(names)) == len(FLAT_KEYS)
+    for name, section in FLAT_KEYS.items():
+        assert name in {f.name for f in __import__("dataclasses").fields(SECTIONS[section])}
+    assert tuple(SECTIONS) == CONFIG_SECTIONS  # run_config.json's reader knows the same sections
+    assert set(TrainConfig().to_dict()) == set(FLAT_KEYS)
+
+
+def test_nested_yaml_equals_flat_yaml(tmp_path):
+    flat, nested = tmp_path / "flat.yaml", tmp_path / "nested.yaml"
+    flat.write_text("max_steps: 7\nlora-learning-rate: 0.002\nobjective: dist\nengine: local\nnum_latents: 3\n")
+    nested.write_text("optimization:\n  max_steps: 7\n  lora-learning-rate: 0.002\nobjective:\n  objective: dist\n"
+                      "engine:\n  engine: local\nmodel: {num_latents: 3}\n")
+    a, b = _parse(["--config", str(flat)]), _parse(["--config", str(nested)])
+    assert a.to_dict() == b.to_dict()
+    assert (b.optimization.max_steps, b.optimization.lora_learning_rate, b.objective.objective, b.model.num_latents) == (7, 0.002, "dist", 3)
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text("max_steps: 7\nmodel: {num_latents: 3}\n")
+    assert _parse(["--config", str(mixed), "--num-latents", "4"]).model.num_latents == 4  # a flag still wins
+
+
+@pytest.mark.parametrize("text, match", [
+    ("max_steps: 7\noptimization: {max_steps: 8}\n", "max_steps is given twice, as max_steps and as optimization.max_steps"),
+    ("optimization: {max-steps: 8}\nmax_steps: 7\n", "max_steps is given twice"),
+    ("optimization: {kl_weight: 1.0}\n", r"unknown key optimization.kl_weight \(it belongs in section 'objective'\)"),
+    ("model: {no_such_field: 1}\n", "unknown key model.no_such_field"),
+    ("no_such_field: 1\n", r"unknown keys \['no_such_field'\]"),
+    ("optimization: {max_steps: two}\n", "max_steps must be of type int"),
+])
+def test_bad_nested_keys_name_the_key(tmp_path, text, match):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        _parse(["--config", str(path)])
+
+
+def test_sections_round_trip_and_replace():
+    cfg = _parse(["--objective", "tokcc", "--max-steps", "9", "--engine", "local", "--num-latents", "3"])
+    nested = json.loads(json.dumps(cfg.to_sections()))
+    assert list(nested) == list(SECTIONS) and nested["optimization"]["max_steps"] == 9
+    assert TrainConfig.from_dict(nested).to_dict() == cfg.to_dict() == TrainConfig.from_dict(cfg.to_dict()).to_dict()
+    assert flat_config(nested) == cfg.to_dict() == flat_values(nested)
+    changed = cfg.replace(run_name="r", max_steps=10)
+    assert (changed.run.run_name, changed.optimization.max_steps, cfg.optimization.max_steps) == ("r", 10, 9)
+    with pytest.raises(ValueError, match="max_steps must be >= 1"):
+        cfg.replace(max_steps=0)
+    assert TrainConfig.from_flat(max_steps=5).to_dict() == TrainConfig().replace(max_steps=5).to_dict()
+
+
+def test_a_flat_run_config_from_before_the_sections_still_loads(tmp_path):
+    record = json.loads(FLAT_RUN_CONFIG.read_text())
+    assert "max_steps" in record["config"] and "optimization" not in record["config"]  # really the old layout
+    old = TrainConfig.from_dict(record["config"])
+    assert (old.data.task, old.optimization.max_steps, old.objective.objective) == ("copy", 2, record["config"]["objective"])
+    assert old.to_dict() == record["config"]
+    # a run directory of either layout reads back as the same flat config
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "run_config.json").write_text(json.dumps(record))
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "run_config.json").write_text(json.dumps({**record, "config": old.to_sections()}))
+    assert read_run_record(tmp_path / "old")["config"] == read_run_record(tmp_path / "new")["config"] == record["config"]

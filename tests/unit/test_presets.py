@@ -27,7 +27,7 @@ def train_cfg(*argv):
 
 
 def weights(cfg):
-    return {f: getattr(cfg, f) for f in RECONSTRUCTION_WEIGHT_FIELDS}
+    return {f: cfg.to_dict()[f] for f in RECONSTRUCTION_WEIGHT_FIELDS}
 
 
 # each preset written out by hand (independently of OBJECTIVE_PRESETS): weights, then alpha
@@ -52,39 +52,39 @@ def test_objective_flag_expands_to_all_six_weights_and_alpha(name):
     cfg = train_cfg("--objective", name)
     expected_weights, alpha = EXPECTED[name]
     assert weights(cfg) == {f: expected_weights.get(f, 0.0) for f in RECONSTRUCTION_WEIGHT_FIELDS}
-    assert cfg.token_weight_alpha == alpha and cfg.objective == name
+    assert cfg.objective.token_weight_alpha == alpha and cfg.objective.objective == name
 
 
 def test_objective_raw_reproduces_the_library_defaults():
     lib = ReconstructionLossConfig()
     assert reconstruction_weights(train_cfg("--objective", "raw").reconstruction_config()) == reconstruction_weights(lib)
-    assert train_cfg("--objective", "raw").token_weight_alpha == lib.token_weight_alpha
-    assert TrainConfig().objective == "raw" and weights(TrainConfig()) == weights(train_cfg("--objective", "raw"))
+    assert train_cfg("--objective", "raw").objective.token_weight_alpha == lib.token_weight_alpha
+    assert TrainConfig().objective.objective == "raw" and weights(TrainConfig()) == weights(train_cfg("--objective", "raw"))
 
 
 def test_explicit_weight_flags_win_entry_by_entry():
     cfg = train_cfg("--objective", "raw+tokcc", "--reconstruction-weight", "0.25", "--token-weight-alpha", "2")
-    assert cfg.objective == "raw+tokcc"
+    assert cfg.objective.objective == "raw+tokcc"
     assert weights(cfg) == {**{f: 0.0 for f in RECONSTRUCTION_WEIGHT_FIELDS}, RAW: 0.25, TOKCC: 1.0}
-    assert cfg.token_weight_alpha == 2.0
+    assert cfg.objective.token_weight_alpha == 2.0
 
 
 def test_weight_flags_without_objective_are_exactly_the_objective():
     cfg = train_cfg("--distribution-normalized-reconstruction-weight", "1", "--reconstruction-weight", "0")
-    assert cfg.objective == "custom" and weights(cfg) == {**{f: 0.0 for f in RECONSTRUCTION_WEIGHT_FIELDS}, DIST: 1.0}
+    assert cfg.objective.objective == "custom" and weights(cfg) == {**{f: 0.0 for f in RECONSTRUCTION_WEIGHT_FIELDS}, DIST: 1.0}
     cfg = train_cfg("--token-weighted-reconstruction-weight", "0.5")
-    assert cfg.objective == "custom" and cfg.reconstruction_weight == 0.0 and cfg.token_weighted_reconstruction_weight == 0.5
+    assert cfg.objective.objective == "custom" and cfg.objective.reconstruction_weight == 0.0 and cfg.objective.token_weighted_reconstruction_weight == 0.5
 
 
 def test_no_objective_flags_give_the_default_preset(tmp_path):
     cfg = train_cfg()
-    assert cfg.objective == DEFAULT_OBJECTIVE
+    assert cfg.objective.objective == DEFAULT_OBJECTIVE
     assert weights(cfg) == weights(train_cfg("--objective", DEFAULT_OBJECTIVE))
     # a config file counts like flags
     path = tmp_path / "c.yaml"
     path.write_text("objective: dist\ndistribution_normalized_reconstruction_weight: 2\n")
     cfg = train_cfg("--config", str(path))
-    assert cfg.objective == "dist" and weights(cfg)[DIST] == 2.0 and weights(cfg)[RAW] == 0.0
+    assert cfg.objective.objective == "dist" and weights(cfg)[DIST] == 2.0 and weights(cfg)[RAW] == 0.0
 
 
 def test_unknown_objective_is_refused_by_name():
@@ -108,19 +108,19 @@ def test_run_name_shows_objective_and_kl_scale_and_parses_back():
     back = parse_train_run_name(name)
     for field in (*RECONSTRUCTION_WEIGHT_FIELDS, "token_weight_alpha", "objective", "kl_weight_scale", "seed",
                   "reconstruction_loss_token_aggregation_mode"):
-        assert back[field] == getattr(cfg, field), field
+        assert back[field] == cfg.to_dict()[field], field
     # an override of a preset entry is named; the preset's own weights are not
     name = train_run_name(train_cfg("--objective", "tokcc", "--token-weight-alpha", "1").to_dict())
     assert name == "agg-mean_obj-tokcc_alpha-1"
 
 
 def test_kl_weight_scale_multiplies_beta_through_the_schedule():
-    cfg = TrainConfig(max_steps=100, kl_weight=2.0, kl_schedule="constant", kl_weight_scale="tokens", kl_weight_factor=7.5)
+    cfg = TrainConfig.from_flat(max_steps=100, kl_weight=2.0, kl_schedule="constant", kl_weight_scale="tokens", kl_weight_factor=7.5)
     assert kl_weight_at(cfg, 0) == 15.0 and cfg.effective_kl_weight == 15.0
-    ramp = TrainConfig(max_steps=100, kl_weight=2.0, kl_weight_scale="tokens", kl_weight_factor=4.0)
+    ramp = TrainConfig.from_flat(max_steps=100, kl_weight=2.0, kl_weight_scale="tokens", kl_weight_factor=4.0)
     assert kl_weight_at(ramp, 10) == 0.0 and kl_weight_at(ramp, 40) == pytest.approx(4.0) and kl_weight_at(ramp, 99) == 8.0
     with pytest.raises(ValueError, match="kl_weight_factor"):
-        TrainConfig(kl_weight_factor=3.0)  # a factor without the tokens scale
+        TrainConfig.from_flat(kl_weight_factor=3.0)  # a factor without the tokens scale
 
 
 def _write_run(root, name, config, factor, nmi):
@@ -224,7 +224,7 @@ def test_token_mode_and_sum_scale_are_named_and_parse_back():
     back = parse_train_run_name(name)
     assert back["reconstruction_loss_sum_scale"] == 16.0 and back["reconstruction_loss_token_aggregation_mode"] == "sum"
     assert TrainConfig.from_dict({k: back[k] for k in ("objective", "reconstruction_loss_token_aggregation_mode",
-                                                       "reconstruction_loss_sum_scale")}).reconstruction_loss_sum_scale == 16.0
+                                                       "reconstruction_loss_sum_scale")}).objective.reconstruction_loss_sum_scale == 16.0
     # a plain sum run and a scaled one cannot share a name
     assert train_run_name(train_cfg("--objective", "raw", "--reconstruction-loss-token-aggregation-mode", "sum").to_dict()) \
         == "agg-sum_obj-raw"
@@ -232,10 +232,10 @@ def test_token_mode_and_sum_scale_are_named_and_parse_back():
 
 def test_sum_scale_is_refused_outside_sum_mode_and_must_be_positive():
     with pytest.raises(ValueError, match="reconstruction_loss_sum_scale applies to .* sum only"):
-        TrainConfig(reconstruction_loss_sum_scale=4.0)
+        TrainConfig.from_flat(reconstruction_loss_sum_scale=4.0)
     with pytest.raises(ValueError, match="reconstruction_loss_sum_scale"):
-        TrainConfig(reconstruction_loss_token_aggregation_mode="sum", reconstruction_loss_sum_scale=0.0)
-    cfg = TrainConfig(reconstruction_loss_token_aggregation_mode="sum", reconstruction_loss_sum_scale=4.0)
+        TrainConfig.from_flat(reconstruction_loss_token_aggregation_mode="sum", reconstruction_loss_sum_scale=0.0)
+    cfg = TrainConfig.from_flat(reconstruction_loss_token_aggregation_mode="sum", reconstruction_loss_sum_scale=4.0)
     assert cfg.reconstruction_config().sum_scale == 4.0
 
 

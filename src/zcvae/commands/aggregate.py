@@ -30,6 +30,7 @@ from typing import Any
 from zcvae.config import aggregation_label, token_weighting_confounds
 from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY
 from zcvae.eval.verdict import judge, read_verdict
+from zcvae.runs.rundir import flat_config
 
 __all__ = [
     "DEFAULT_METRICS",
@@ -144,6 +145,7 @@ def load_run(run_dir: str | os.PathLike) -> RunSummary:
         raise RunLoadError(f"{config_path}: cannot read ({exc})") from exc
     if not isinstance(run_config, dict) or not isinstance(run_config.get("config"), dict):
         raise RunLoadError(f'{config_path}: expected a JSON object with a "config" object')
+    run_config = {**run_config, "config": flat_config(run_config["config"])}  # sections or flat: flat keys
 
     metrics_path = os.path.join(run_dir, METRICS_FILENAME)
     records: list[dict[str, Any]] = []

@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-from zcvae.config import DEFAULT_OBJECTIVE, TrainConfig, load_config_file
+from zcvae.config import DEFAULT_OBJECTIVE, SECTIONS, TrainConfig, flat_fields, flat_values, load_config_file
 
 
 def _base_type(tp) -> tuple[Any, bool]:
@@ -26,10 +26,17 @@ def _base_type(tp) -> tuple[Any, bool]:
     return tp, False
 
 
+def _config_fields(cls) -> tuple[list[dataclasses.Field], dict[str, Any]]:
+    """(fields, type hints) of a config class: TrainConfig's flat keys (its sections' fields), else its fields."""
+    if cls is TrainConfig:
+        return flat_fields(), {k: v for s in SECTIONS.values() for k, v in typing.get_type_hints(s).items()}
+    return list(dataclasses.fields(cls)), typing.get_type_hints(cls)
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
     """One flag per dataclass field; defaults are SUPPRESSed so we can tell what the user set."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    fields, hints = _config_fields(cls)
+    for f in fields:
         scalar, is_list = _base_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -48,8 +55,10 @@ def add_config_flags(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
 def resolve_train_config(args: argparse.Namespace, cls=TrainConfig):
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
-        values.update(load_config_file(args.config))
-    field_names = {f.name for f in dataclasses.fields(cls)}
+        # flat keys, sections or both (zcvae.config.flat_values); a flag given too wins over the file
+        raw = load_config_file(args.config)
+        values.update(flat_values(raw, source=f"config file {args.config}") if cls is TrainConfig else raw)
+    field_names = {f.name for f in _config_fields(cls)[0]}
     values.update({k: v for k, v in vars(args).items() if k in field_names})
     # no objective and no weight given: `zcvae train` runs the default preset, not the library's raw 1.0
     return cls.from_dict(values, source=args.config or "command line", default_objective=DEFAULT_OBJECTIVE)
@@ -59,12 +68,12 @@ def _cmd_train(args) -> int:
     from zcvae.train.trainer import train
 
     cfg = resolve_train_config(args)
-    if args.resume_allow_change and cfg.resume is None:
+    if args.resume_allow_change and cfg.run.resume is None:
         raise ValueError("--resume-allow-change applies to a resume: add --resume auto (or a checkpoint)")
     try:
         train(cfg, overwrite=args.overwrite, allow_changes=tuple(args.resume_allow_change or ()))
     except KeyboardInterrupt:
-        raise Interrupted(f"the run directory {cfg.output_dir!r} keeps its last complete checkpoint; "
+        raise Interrupted(f"the run directory {cfg.run.output_dir!r} keeps its last complete checkpoint; "
                           f"continue with the same command plus --resume auto") from None
     return 0
 

@@ -33,11 +33,11 @@ class AuxiliaryWeights:
     @classmethod
     def from_train_config(cls, cfg) -> "AuxiliaryWeights":
         return cls(
-            posterior_entropy=cfg.posterior_entropy_weight,
-            router_support=cfg.router_support_weight,
-            router_marginal_kl=cfg.router_marginal_kl_weight,
-            inter_latent_divergence=cfg.inter_latent_divergence_weight,
-            posterior_variance=cfg.posterior_variance_weight,
+            posterior_entropy=cfg.objective.posterior_entropy_weight,
+            router_support=cfg.objective.router_support_weight,
+            router_marginal_kl=cfg.objective.router_marginal_kl_weight,
+            inter_latent_divergence=cfg.objective.inter_latent_divergence_weight,
+            posterior_variance=cfg.objective.posterior_variance_weight,
         )
 
 

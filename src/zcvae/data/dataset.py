@@ -27,22 +27,22 @@ class Splits:
 
 def load_splits(cfg) -> Splits:
     """Train and validation examples for a :class:`~zcvae.config.TrainConfig`."""
-    if cfg.train_data is not None:
+    if cfg.data.train_data is not None:
         for name in ("train_data", "val_data"):
-            path = getattr(cfg, name)
+            path = getattr(cfg.data, name)
             if not os.path.isfile(path):
                 what = "is a directory, not a JSONL file" if os.path.isdir(path) else "does not exist"
                 raise ValueError(f"{name} {path!r} {what}")
-        train, val = read_jsonl(cfg.train_data), read_jsonl(cfg.val_data)
+        train, val = read_jsonl(cfg.data.train_data), read_jsonl(cfg.data.val_data)
         if not train:
-            raise ValueError(f"train_data {cfg.train_data} holds no example")
+            raise ValueError(f"train_data {cfg.data.train_data} holds no example")
         if not val:
-            raise ValueError(f"val_data {cfg.val_data} holds no example")
-        return Splits(train, val, None, f"jsonl:{cfg.train_data}")
-    name = cfg.task or DEFAULT_TASK
+            raise ValueError(f"val_data {cfg.data.val_data} holds no example")
+        return Splits(train, val, None, f"jsonl:{cfg.data.train_data}")
+    name = cfg.data.task or DEFAULT_TASK
     task = get_task(name)
-    train = make_examples(task, seed=cfg.seed, split="train", num_examples=cfg.num_train_examples)
-    val = make_examples(task, seed=cfg.seed, split="val", num_examples=cfg.num_val_examples)
+    train = make_examples(task, seed=cfg.optimization.seed, split="train", num_examples=cfg.data.num_train_examples)
+    val = make_examples(task, seed=cfg.optimization.seed, split="val", num_examples=cfg.data.num_val_examples)
     return Splits(train, val, task, f"task:{name}")
 
 

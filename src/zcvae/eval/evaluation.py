@@ -27,12 +27,12 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
   terms evaluated on the mean q of the whole set), every diagnostic of ``core.losses.reconstruction_terms``
   reduced as in training (mean, or min/max for ``num_tokens_min``/``num_tokens_max``), and ``c_base``.
   Gaussian latents: the S branch samples use noise drawn from a generator seeded by
-  ``(cfg.seed, example index)``, so the estimate is deterministic and does not depend on the sharding.
+  ``(cfg.optimization.seed, example index)``, so the estimate is deterministic and does not depend on the sharding.
 * Discrete latents: ``eval.metrics.discrete_latent_metrics`` on q(z|x,y) and p(z|x) of every example.
   Gaussian: ``eval.metrics.gaussian_latent_metrics`` on the posterior means (active units with
   ``delta = ACTIVE_UNITS_DELTA``, KL to N(0, I), NMI/ARI of k-means of the means vs the strategy).
-* Decoding, on the first ``cfg.num_eval_decode_examples`` validation x: greedy, a fixed number of
-  steps (``cfg.max_new_tokens``, or the longest validation y + 2) in lock-step on every rank, each row
+* Decoding, on the first ``cfg.evaluation.num_eval_decode_examples`` validation x: greedy, a fixed number of
+  steps (``cfg.evaluation.max_new_tokens``, or the longest validation y + 2) in lock-step on every rank, each row
   stopping at ``</y>`` (a stopped row still runs the forwards, so no rank leaves the loop early).
   Discrete latent: every latent k is decoded for every x, with or without a parser.
   ``control/distinct_outputs`` is the fraction of those x whose decodes differ across the latents
@@ -214,12 +214,12 @@ def _evaluate(*, engine, model, cfg, val, reference, task, all_gather_object):
 
     decodes = []
     num_steps = None
-    num_decode = min(cfg.num_eval_decode_examples, len(val))
+    num_decode = min(cfg.evaluation.num_eval_decode_examples, len(val))
     if num_decode > 0:
         num_steps = decode_length(cfg, val)
-        if cfg.latent_type == "discrete":
+        if cfg.model.latent_type == "discrete":
             # every latent, also without a parser: control/distinct_outputs compares the decodes across z
-            latents, mu_by_index = list(range(cfg.num_latents)), None
+            latents, mu_by_index = list(range(cfg.model.num_latents)), None
         else:
             latents, mu_by_index = [None], {r.index: r.mu_D for r in records[:num_decode]}
         d_indices, d_keep = shard_indices(num_decode, rank=rank, world_size=world)
@@ -275,25 +275,25 @@ def evaluate_run(
     # The local engine: whatever engine the run used, evaluation needs only its forwards (no backward, so
     # no activation checkpointing); and the online reference, as a store would also compute b of every
     # training example.
-    cfg = dataclasses.replace(TrainConfig.from_dict(dict(record["config"]), source=str(record_path)),
-                              engine="local", deepspeed_config=None, cpu_offload=False, precision="fp32",
-                              gradient_checkpointing=False, reference_policy="online")
+    cfg = TrainConfig.from_dict(dict(record["config"]), source=str(record_path)).replace(
+        engine="local", deepspeed_config=None, cpu_offload=False, precision="fp32", gradient_checkpointing=False,
+        reference_policy="online")
 
     ckpt = newest_checkpoint(run_dir, checkpoint)
-    step = int(read_meta(ckpt).get("step", cfg.max_steps))
+    step = int(read_meta(ckpt).get("step", cfg.optimization.max_steps))
     # before the evaluation, not after it: a read-only run directory must not cost the whole computation
     check_writable(Path(output) if output is not None else run_dir / EVAL_METRICS, what="evaluate output")
     backbone_dir = resolve_backbone(cfg, override=backbone, recorded=record.get("backbone"))
     model = load_for_inference(run_dir, backbone=backbone_dir, checkpoint=str(ckpt), trust_remote_code=trust_remote_code)
 
     splits = load_splits(cfg)
-    val, report = encode_examples(splits.val, model.tokenizer, model.tokens, max_length=cfg.max_length, num_z_slots=cfg.slot_tokens)
+    val, report = encode_examples(splits.val, model.tokenizer, model.tokens, max_length=cfg.data.max_length, num_z_slots=cfg.slot_tokens)
     if not val:
         raise ValueError(f"no usable validation example ({report.num_skipped} skipped, e.g. {report.skipped[:3]})")
     # the trainer's groups, because the engine checks that they hold every trainable parameter
-    groups = model.param_groups(lora_lr=cfg.lora_learning_rate, latent_lr=cfg.latent_learning_rate, weight_decay=cfg.weight_decay)
-    engine = build_engine(cfg.engine_config(), model=model, param_groups=groups, learning_rate=cfg.lora_learning_rate,
-                          weight_decay=cfg.weight_decay)  # moves the model to its device
+    groups = model.param_groups(lora_lr=cfg.optimization.lora_learning_rate, latent_lr=cfg.optimization.latent_learning_rate, weight_decay=cfg.optimization.weight_decay)
+    engine = build_engine(cfg.engine_config(), model=model, param_groups=groups, learning_rate=cfg.optimization.lora_learning_rate,
+                          weight_decay=cfg.optimization.weight_decay)  # moves the model to its device
     stored = record.get("c_base")
     reference = ReferenceProvider.build(
         cfg, engine=engine, model=model, backbone=backbone_dir, train=val, val=val, passes=1.0, log=lambda *a: None,

@@ -27,11 +27,11 @@ _NOISE_SALT = 0x5EED_E7A1
 
 
 def decode_length(cfg, val: Sequence[EncodedExample]) -> int:
-    """Decoding steps: ``cfg.max_new_tokens``, or the longest validation y + 2 (y, ``</y>``, one spare)."""
-    if cfg.max_new_tokens is not None:
-        if cfg.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-        return int(cfg.max_new_tokens)
+    """Decoding steps: ``cfg.evaluation.max_new_tokens``, or the longest validation y + 2 (y, ``</y>``, one spare)."""
+    if cfg.evaluation.max_new_tokens is not None:
+        if cfg.evaluation.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {cfg.evaluation.max_new_tokens}")
+        return int(cfg.evaluation.max_new_tokens)
     return max(len(ex.y_ids) for ex in val) + 2
 
 
@@ -57,8 +57,8 @@ def example_pass(*, engine, model, cfg, val, reference, indices, keep) -> list[E
     # the `token` mode's n_bar over the whole validation set (every rank holds all of val), so that the
     # example mean of the terms over the set is its global token mean, whatever the sharding
     mean_num_tokens = sum(ex.num_supervised for ex in val) / max(len(val), 1)
-    gaussian = cfg.latent_type != "discrete"
-    batch_size = cfg.micro_batch_size
+    gaussian = cfg.model.latent_type != "discrete"
+    batch_size = cfg.optimization.micro_batch_size
     records = []
     for start in range(0, len(indices), batch_size):
         idx = indices[start : start + batch_size]
@@ -68,7 +68,7 @@ def example_pass(*, engine, model, cfg, val, reference, indices, keep) -> list[E
         ref_nll_BN = reference.ref_nll(engine, batch)  # before the CVAE forward, as in training
         extra = {}
         if gaussian:
-            noise = _example_noise(idx, seed=cfg.seed, num_samples=cfg.num_latent_samples, latent_dim=cfg.latent_dim)
+            noise = _example_noise(idx, seed=cfg.optimization.seed, num_samples=cfg.model.num_latent_samples, latent_dim=cfg.model.latent_dim)
             extra["latent_noise"] = noise.to(engine.device)
         out = engine.module(batch, mode="train", n_span=n_span, **extra)
         ref_nll_BN = ref_nll_BN.to(out.mask.device, torch.float32)
@@ -118,11 +118,11 @@ def decode_pass(*, engine, model, cfg, val, latents, mu_by_index, indices, keep,
     """
     tokens: TemplateTokens = model.tokens
     layout = TemplateLayout(cfg.slot_tokens)
-    gaussian = cfg.latent_type != "discrete"
+    gaussian = cfg.model.latent_type != "discrete"
     records = []
-    for start in range(0, len(indices), cfg.micro_batch_size):
-        idx = indices[start : start + cfg.micro_batch_size]
-        kept = keep[start : start + cfg.micro_batch_size]
+    for start in range(0, len(indices), cfg.optimization.micro_batch_size):
+        idx = indices[start : start + cfg.optimization.micro_batch_size]
+        kept = keep[start : start + cfg.optimization.micro_batch_size]
         prompts, slot_start, latent_R, zs, owners = [], [], [], [], []
         for i, k in zip(idx, kept):
             ex = val[i]

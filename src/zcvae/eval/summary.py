@@ -76,7 +76,7 @@ def summarize(
         details["gold_metrics_absent"] = problem
         labels = [None] * len(labels)
 
-    discrete = cfg.latent_type == "discrete"
+    discrete = cfg.model.latent_type == "discrete"
     summarise_latent = summarize_discrete if discrete else summarize_gaussian
     latent = summarise_latent(records, labels, cfg=cfg)
     scalars.update(latent.scalars)
@@ -166,7 +166,7 @@ def summarize_gaussian(records: list[ExampleRecord], labels: Sequence[Any], *, c
     if mu_ND.shape[0] < 2:
         return out  # a variance across examples needs two of them
     lat = gaussian_latent_metrics(mu_ND, logvar_ND, labels=labels if has_labels else None,
-                                  delta=ACTIVE_UNITS_DELTA, seed=cfg.seed)
+                                  delta=ACTIVE_UNITS_DELTA, seed=cfg.optimization.seed)
     for key in ("active_units", "active_units_delta", "kl_to_standard_normal", "nmi", "ari",
                 "homogeneity", "completeness", "num_clusters"):
         if key in lat:

@@ -11,20 +11,20 @@ from typing import Any
 
 def model_card(*, cfg, record: dict[str, Any], meta: dict[str, Any], metrics_step: int | None, metrics: dict[str, float]) -> str:
     c_base = record.get("c_base") or {}
-    mode = cfg.reconstruction_loss_token_aggregation_mode
+    mode = cfg.objective.reconstruction_loss_token_aggregation_mode
     unit = "nats/sequence" if mode == "sum" else "nats/token"  # token: per token of the whole validation set
-    if cfg.latent_type == "discrete":
-        latent = (f"a discrete latent with K = {cfg.num_latents} values: z is one of the learned tokens "
-                  f"{', '.join(f'`<z_{k}>`' for k in range(min(cfg.num_latents, 8)))}{' ...' if cfg.num_latents > 8 else ''} "
+    if cfg.model.latent_type == "discrete":
+        latent = (f"a discrete latent with K = {cfg.model.num_latents} values: z is one of the learned tokens "
+                  f"{', '.join(f'`<z_{k}>`' for k in range(min(cfg.model.num_latents, 8)))}{' ...' if cfg.model.num_latents > 8 else ''} "
                   f"(ids {meta['z_token_ids']}) in the z slot, trained with the exact expectation over all K")
     else:
-        latent = (f"a Gaussian latent of dimension {cfg.latent_dim}, projected to {cfg.num_z_slots} soft-prompt offsets "
-                  f"added to the `<znull>` slot embedding; prior {'learned p(z|x)' if cfg.learned_prior else 'N(0, I)'}")
+        latent = (f"a Gaussian latent of dimension {cfg.model.latent_dim}, projected to {cfg.model.num_z_slots} soft-prompt offsets "
+                  f"added to the `<znull>` slot embedding; prior {'learned p(z|x)' if cfg.model.learned_prior else 'N(0, I)'}")
     weights = {k: v for k, v in cfg.to_dict().items() if k.endswith("reconstruction_weight") and v}
     rows = "\n".join(f"| {k} | {v:.4g} |" for k, v in sorted(metrics.items())) or "| (no evaluation recorded) | |"
     c_base_line = (f"{c_base.get('value')} {unit} (mode `{c_base.get('mode')}`, source `{c_base.get('source')}`, "
                    f"fingerprint `{str(c_base.get('fingerprint'))[:16]}`)") if c_base else "not recorded"
-    return f"""# zcvae export: {cfg.run_name or Path(meta['run_dir']).name}
+    return f"""# zcvae export: {cfg.run.run_name or Path(meta['run_dir']).name}
 
 A conditional VAE built by zcvae on the causal LM `{meta['backbone']}`.
 The decoder reads
@@ -36,13 +36,13 @@ q(z|x,y) and at `</x>` for the prior p(z|x).
 
 | | |
 |---|---|
-| latent | {cfg.latent_type}, {'K = ' + str(cfg.num_latents) if cfg.latent_type == 'discrete' else 'D = ' + str(cfg.latent_dim)} |
+| latent | {cfg.model.latent_type}, {'K = ' + str(cfg.model.num_latents) if cfg.model.latent_type == 'discrete' else 'D = ' + str(cfg.model.latent_dim)} |
 | reconstruction_loss_token_aggregation_mode | `{mode}` |
 | reconstruction weights | {', '.join(f'{k} = {v:g}' for k, v in weights.items())} |
 | c_base (z-free reference scale) | {c_base_line} |
-| KL weight, schedule | {cfg.kl_weight:g}, {cfg.kl_schedule} |
-| LoRA | r = {cfg.lora_r}, alpha = {cfg.lora_alpha} |
-| checkpoint | step {meta['step']} of {cfg.max_steps} |
+| KL weight, schedule | {cfg.objective.kl_weight:g}, {cfg.objective.kl_schedule} |
+| LoRA | r = {cfg.model.lora_r}, alpha = {cfg.model.lora_alpha} |
+| checkpoint | step {meta['step']} of {cfg.optimization.max_steps} |
 
 ## Final metrics{f' (evaluation at step {metrics_step})' if metrics_step is not None else ''}
 

@@ -150,6 +150,7 @@ def export_run(
         added = _added_token_ids(model, backbone, trust_remote_code=trust_remote_code)
         save_file(latent_heads_state(model, added_ids=added), str(tmp / LATENT_HEADS), metadata={"format": "pt"})
         model.tokenizer.save_pretrained(str(tmp))
+        record = {**record, "config": cfg.to_sections()}  # in sections, whichever layout the run wrote
         (tmp / RUN_CONFIG).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
         meta = {
             "format": EXPORT_FORMAT,
@@ -161,9 +162,9 @@ def export_run(
             "vocab_size": len(model.tokenizer),
             "added_token_ids": added,
             "z_token_ids": list(model.tokens.latents),
-            "latent_type": cfg.latent_type,
-            "num_latents": cfg.num_latents,
-            "reconstruction_loss_token_aggregation_mode": cfg.reconstruction_loss_token_aggregation_mode,
+            "latent_type": cfg.model.latent_type,
+            "num_latents": cfg.model.num_latents,
+            "reconstruction_loss_token_aggregation_mode": cfg.objective.reconstruction_loss_token_aggregation_mode,
             "c_base": record.get("c_base"),
             "merged": bool(merge),
         }

@@ -49,11 +49,11 @@ def _builtin_backbone(cfg) -> Path:
     # The path of train.trainer.default_backbone without its side effect (it would pretrain a missing backbone).
     from zcvae.backbone.stage_config import is_pretrained
 
-    cache = builtin_backbone_dir(cfg.task)
+    cache = builtin_backbone_dir(cfg.data.task)
     if not is_pretrained(cache):
         raise ValueError(
             f"the run used the built-in backbone {str(cache)!r}, which is missing: rebuild it with "
-            f"`zcvae pretrain --task {cfg.task or 'copy'} --output-dir {cache}` or pass --backbone DIR"
+            f"`zcvae pretrain --task {cfg.data.task or 'copy'} --output-dir {cache}` or pass --backbone DIR"
         )
     return cache
 
@@ -65,7 +65,7 @@ def resolve_backbone(cfg, *, override: str | None = None, recorded: str | None =
     """
     from zcvae.backbone.convert import is_gguf_path, resolve_backbone_path
 
-    for candidate in (override, recorded, cfg.backbone):
+    for candidate in (override, recorded, cfg.model.backbone):
         if candidate:
             if is_gguf_path(candidate) and Path(candidate).is_file():
                 return resolve_backbone_path(str(candidate), log=lambda line: print(line, file=sys.stderr))
@@ -78,12 +78,12 @@ def resolve_backbone(cfg, *, override: str | None = None, recorded: str | None =
 def build_model(cfg, backbone: str, *, trust_remote_code: bool, device: str | torch.device | None):
     from zcvae.model.cvae import ZCVAE
 
-    if cfg.trust_remote_code and not trust_remote_code:
+    if cfg.model.trust_remote_code and not trust_remote_code:
         raise ValueError("the run was trained with trust_remote_code; pass --trust-remote-code to let the backbone's own code run")
     model_config = cfg.model_config()
     model_config.trust_remote_code = bool(trust_remote_code)
     model_config.gradient_checkpointing = False
-    model = ZCVAE.from_pretrained(backbone, model_config, seed=cfg.seed)
+    model = ZCVAE.from_pretrained(backbone, model_config, seed=cfg.optimization.seed)
     model.eval()
     if device is not None:
         model.to(device)

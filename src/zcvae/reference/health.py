@@ -59,19 +59,19 @@ MIN_CLOSURE_RATE = 0.5
 def entangled_command(cfg) -> tuple[str, str]:
     """(the ``zcvae pretrain`` command that builds the entangled checkpoint of ``cfg``'s backbone and
     data, that checkpoint's directory)."""
-    source = cfg.backbone
+    source = cfg.model.backbone
     # a GGUF file's name without ".gguf"; a directory's whole name (it may hold dots, as GGUF conversions do)
-    name = (Path(source).stem if Path(source).suffix.lower() == ".gguf" else Path(source).name) if source else (cfg.task or "default")
-    out = str(Path(cfg.output_dir).parent / f"entangled-{name}")
+    name = (Path(source).stem if Path(source).suffix.lower() == ".gguf" else Path(source).name) if source else (cfg.data.task or "default")
+    out = str(Path(cfg.run.output_dir).parent / f"entangled-{name}")
     parts = ["zcvae", "pretrain"]
     if source:
         parts += ["--backbone", source]
-    if cfg.train_data is not None:
-        parts += ["--train-data", cfg.train_data, "--val-data", cfg.val_data]
+    if cfg.data.train_data is not None:
+        parts += ["--train-data", cfg.data.train_data, "--val-data", cfg.data.val_data]
     else:
         from zcvae.data import DEFAULT_TASK
 
-        parts += ["--task", cfg.task or DEFAULT_TASK]
+        parts += ["--task", cfg.data.task or DEFAULT_TASK]
     parts += ["--output-dir", out]
     return " ".join(shlex.quote(str(p)) for p in parts), out
 
@@ -158,17 +158,17 @@ def check_markers(cfg, backbone: str, *, log: Callable[[str], Any] = print) -> R
     """Read the backbone's tokenizer (cheap: before the weights load) and check its template markers.
 
     ValueError (``zcvae train`` exits 2 with it, one line) naming the ``zcvae pretrain --backbone``
-    command when a marker or ``<znull>`` would be added fresh, unless ``cfg.allow_fresh_markers``.
+    command when a marker or ``<znull>`` would be added fresh, unless ``cfg.model.allow_fresh_markers``.
     A tokenizer that cannot be read is left to ``ZCVAE.from_pretrained``, which says why.
     """
     command, out = entangled_command(cfg)
-    shown = cfg.backbone or str(backbone)
-    fresh = _fresh_markers(backbone, trust_remote_code=cfg.trust_remote_code)
-    health = ReferenceHealth(backbone=shown, fresh_markers=fresh, allow_fresh_markers=bool(cfg.allow_fresh_markers),
+    shown = cfg.model.backbone or str(backbone)
+    fresh = _fresh_markers(backbone, trust_remote_code=cfg.model.trust_remote_code)
+    health = ReferenceHealth(backbone=shown, fresh_markers=fresh, allow_fresh_markers=bool(cfg.model.allow_fresh_markers),
                              entangled_command=command)
     if not fresh:
         return health
-    if not cfg.allow_fresh_markers:
+    if not cfg.model.allow_fresh_markers:
         raise ValueError(
             f"backbone {shown!r} lacks the template markers {' '.join(fresh)} in its tokenizer, so the frozen "
             f"reference cannot score the template and the decoder cannot learn to close y: build its entangled "

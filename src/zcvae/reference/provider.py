@@ -61,16 +61,16 @@ class ReferenceProvider:
 
         info = getattr(engine, "info", None) or dist_info()
         gather = torch.distributed.all_gather_object if info.world_size > 1 else None
-        mode = cfg.reconstruction_loss_token_aggregation_mode
-        policy = cfg.reference_policy
+        mode = cfg.objective.reconstruction_loss_token_aggregation_mode
+        policy = cfg.objective.reference_policy
         if policy == "auto":
             policy = default_policy(passes)
         if policy not in POLICIES:
-            raise ValueError(f"reference_policy must be one of {('auto', *POLICIES)}, got {cfg.reference_policy!r}")
+            raise ValueError(f"reference_policy must be one of {('auto', *POLICIES)}, got {cfg.objective.reference_policy!r}")
         try:
             backbone_digest = fingerprint_backbone(backbone)
         except ValueError as e:
-            if cfg.reference_policy == "precomputed":
+            if cfg.objective.reference_policy == "precomputed":
                 raise ValueError(f"reference_policy=precomputed needs a fingerprintable backbone: {e}") from e
             if policy == "precomputed":
                 log(f"[reference] {e}; falling back to the online policy")
@@ -83,10 +83,10 @@ class ReferenceProvider:
         }
         common = dict(
             tokens=model.tokens,
-            batch_size=cfg.micro_batch_size,
+            batch_size=cfg.optimization.micro_batch_size,
             rank=info.rank,
             world_size=info.world_size,
-            cache_dir=cfg.reference_cache_dir,
+            cache_dir=cfg.objective.reference_cache_dir,
             write=info.local_rank == 0,
             all_gather_object=gather,
             device=info.device,
@@ -108,7 +108,7 @@ class ReferenceProvider:
             def recompute() -> CBase:
                 total = torch.zeros((), dtype=torch.float64, device=info.device)
                 count = torch.zeros((), dtype=torch.float64, device=info.device)
-                batches = iter_reference_batches(val, model.tokens, batch_size=cfg.micro_batch_size, rank=info.rank, world_size=info.world_size, num_z_slots=cfg.slot_tokens)
+                batches = iter_reference_batches(val, model.tokens, batch_size=cfg.optimization.micro_batch_size, rank=info.rank, world_size=info.world_size, num_z_slots=cfg.slot_tokens)
                 with torch.no_grad():
                     for batch, keep in batches:
                         ref_nll_BN, mask_BN = reference_output(engine.module(batch.to(info.device), mode="reference"))
@@ -120,7 +120,7 @@ class ReferenceProvider:
 
         c_base = resolve_c_base(
             mode=mode, fingerprint=fps["validation"].digest, stored=stored_c_base,
-            user_value=cfg.zfree_reference_scale, recompute=recompute,
+            user_value=cfg.objective.zfree_reference_scale, recompute=recompute,
         )
         log(f"[reference] policy {policy}; c_base[{mode}] = {c_base.value:.6g} ({c_base.source})")
         return cls(policy=policy, c_base=c_base, fingerprints={k: v.digest for k, v in fps.items()}, store=store)

@@ -147,13 +147,30 @@ def read_json(path: str | os.PathLike, *, what: str) -> Any:
         raise ValueError(f"{what}: {str(path)!r} is not valid JSON: {err}") from None
 
 
+# The sections of run_config.json's ``config`` (zcvae.config.SECTIONS, whose test checks they agree).
+CONFIG_SECTIONS = ("data", "model", "objective", "optimization", "engine", "run", "evaluation")
+
+
+def flat_config(config: dict[str, Any]) -> dict[str, Any]:
+    """run_config.json's ``config`` as flat keys, of either layout: in sections (written since the config has
+    sections) or flat (written before). No flat value is a mapping, so a mapping under a section name is the section."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if key in CONFIG_SECTIONS and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
 def read_run_record(directory: str | os.PathLike) -> dict[str, Any]:
-    """``run_config.json`` of a run or export directory; ValueError naming the file."""
+    """``run_config.json`` of a run or export directory, with its ``config`` flat (:func:`flat_config`: run
+    names, verdicts and tables read flat keys, for old and new run directories alike); ValueError naming the file."""
     path = Path(directory) / RUN_CONFIG
     record = read_json(path, what="run config")
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
         raise ValueError(f"run config: {str(path)!r} has no 'config' mapping (the resolved TrainConfig)")
-    return record
+    return {**record, "config": flat_config(record["config"])}
 
 
 def iter_metric_records(run_dir: str | os.PathLike):

@@ -307,13 +307,16 @@ def resolve_defaults(
         raise ValueError(f"defaults source: must be one of {DEFAULTS_SOURCES}, got {source!r}")
     if source in ("auto", "config"):
         try:
-            config_cls = importlib.import_module(config_module).TrainConfig
+            module = importlib.import_module(config_module)
+            config_cls = module.TrainConfig
         except (ImportError, AttributeError) as err:
             if source == "config":
                 raise ValueError(f"defaults source 'config': cannot import {config_module}.TrainConfig: {err}")
         else:
             defaults = {}
-            for field in dataclasses.fields(config_cls):
+            # a config in sections lists its flat keys (zcvae.config.flat_fields); a flat one its own fields
+            fields = module.flat_fields() if hasattr(module, "flat_fields") else dataclasses.fields(config_cls)
+            for field in fields:
                 if field.default is not dataclasses.MISSING:
                     defaults[field.name] = field.default
                 elif field.default_factory is not dataclasses.MISSING:

@@ -31,13 +31,13 @@ _POLL_S = 0.2
 
 def run_finished(run: Run) -> bool:
     """Whether ``run`` already has its final evaluation (an eval record at its last step)."""
-    from zcvae.config import TrainConfig
+    from zcvae.config import OptimizationSection
     from zcvae.runs.rundir import RUN_CONFIG, final_eval_metrics
 
     run_dir = Path(run.params["output_dir"])
     if not (run_dir / RUN_CONFIG).is_file():
         return False
-    max_steps = int(run.params.get("max_steps", TrainConfig.max_steps))
+    max_steps = int(run.params.get("max_steps", OptimizationSection.max_steps))
     return final_eval_metrics(run_dir)[0] == max_steps
 
 

@@ -135,7 +135,7 @@ def seed_everything(seed: int) -> None:
 def train(cfg: TrainConfig, *, log=print, overwrite: bool = False, allow_changes: tuple[str, ...] = ()) -> dict[str, float]:
     """Train one run; returns the final evaluation metrics (on every rank).
 
-    ``overwrite``: delete an earlier run in ``cfg.output_dir`` (after saying so) instead of refusing it.
+    ``overwrite``: delete an earlier run in ``cfg.run.output_dir`` (after saying so) instead of refusing it.
     ``allow_changes``: objective fields a resume may change (``--resume-allow-change``), recorded in
     run_config.json with the step they apply from.
 
@@ -144,7 +144,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False, allow_changes
     current step (zcvae.train.guards). Raises :class:`~zcvae.train.guards.RunStopped` when the run
     diverged or was preempted.
     """
-    run_dir = Path(cfg.output_dir)
+    run_dir = Path(cfg.run.output_dir)
     check_output_dir_path(run_dir)
     # the handlers first: once the lock file names this process, a SIGTERM is already a clean stop
     with StopSignals() as signals:
@@ -159,14 +159,62 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False, allow_changes
 
 
 def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, ...], signals: StopSignals) -> dict[str, float]:
-    from zcvae.runs.checkpoint import CheckpointManager
+    """The run in named steps, in this order (each consumes the random state the next one expects)."""
     from zcvae.engines import build_engine
-    from zcvae.eval.evaluation import evaluate
-    from zcvae.model.cvae import ZCVAE
-    from zcvae.reference.health import check_markers, closure_note
     from zcvae.reference.provider import ReferenceProvider
 
     # 1. processes, seeds, run directory
+    info, cpu, say = _start_processes(log)
+    seed_everything(cfg.optimization.seed)
+    if cfg.run.run_name is None:  # a copy: the caller's config stays as given
+        cfg = cfg.replace(run_name=train_run_name(cfg.to_dict()))
+    run_dir = Path(cfg.run.output_dir)
+    prepare_run_dir(run_dir, resume=cfg.run.resume is not None, overwrite=overwrite, is_main=info.rank == 0, log=say,
+                    keep={"backbone": cfg.model.backbone, "train_data": cfg.data.train_data, "val_data": cfg.data.val_data})
+
+    # 2. data and backbone
+    data = _load_data_and_model(cfg, say=say)
+    cfg, model, train_enc, val_enc = data.cfg, data.model, data.train_enc, data.val_enc
+
+    # 3. engine and optimizer; fail loudly if a latent parameter would not train
+    groups = model.param_groups(lora_lr=cfg.optimization.lora_learning_rate, latent_lr=cfg.optimization.latent_learning_rate, weight_decay=cfg.optimization.weight_decay)
+    model.check_trainable(p for g in groups for p in g["params"])
+    peak_lrs = [g["lr"] for g in groups]  # before the engine: the schedule sets each group's lr in place
+    engine = build_engine(cfg.engine_config(), model=model, param_groups=groups, learning_rate=cfg.optimization.lora_learning_rate, weight_decay=cfg.optimization.weight_decay)
+
+    # 4. z-free reference statistics and c_base (mode-matched, fingerprinted)
+    global_batch = cfg.optimization.micro_batch_size * cfg.optimization.gradient_accumulation_steps * info.world_size
+    passes = passes_over_data(num_examples=len(train_enc), global_batch_size=global_batch, max_steps=cfg.optimization.max_steps)
+    reference = ReferenceProvider.build(
+        cfg, engine=engine, model=model, backbone=data.backbone, train=train_enc, val=val_enc, passes=passes, log=say
+    )
+    data.health.check_c_base(reference.c_base, val=val_enc, examples=data.splits.val, task=data.splits.task, log=say)  # warns only
+
+    # 5. resume (or not), then run_config.json
+    checkpoints, state = _open_checkpoints(cfg, engine=engine, reference=reference, allow_changes=allow_changes,
+                                           is_main=info.rank == 0, say=say)
+    if state is not None and state["step"] == cfg.optimization.max_steps and state["step"] > 0:
+        from zcvae.runs.rundir import final_eval_metrics
+
+        say(f"[resume] checkpoint {state['checkpoint']!r} is already at max_steps {cfg.optimization.max_steps}: the run is complete, nothing written")
+        return final_eval_metrics(run_dir)[1]
+    if info.rank == 0:
+        metadata = run_metadata(cfg, data.backbone, info.world_size, data.splits, data.train_report, data.val_report, reference,
+                                cpu=cpu, reference_health=data.health.to_dict())
+        metadata.update(resume_changes_record(run_dir, state))
+        atomic_write_json(run_dir / RUN_CONFIG, metadata)
+
+    # 6. the loop (zcvae.loop), with the CVAE objective of one micro-batch
+    final = _run_loop(cfg, engine=engine, model=model, data=data, peak_lrs=peak_lrs,
+                      group_names=[g["name"] for g in groups], reference=reference, checkpoints=checkpoints,
+                      start_step=0 if state is None else state["step"], world_size=info.world_size, is_main=info.rank == 0,
+                      signals=signals, say=say)
+    _finish(cfg, final, run_dir=run_dir, is_main=info.rank == 0, say=say)
+    return final
+
+
+def _start_processes(log):
+    """Start the process group, set the CPU threads; returns (dist info, the cpu record, rank 0's log)."""
     # No group at world size 1 yet: the engines that need one even alone start it themselves.
     info = init_distributed()
     is_main = info.rank == 0
@@ -181,125 +229,145 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
             torch.set_num_threads(free_cpu_cores())
             threads_from = "free cores (/proc/stat)"
     cpu = {"flush_denormals": flushes, "num_threads": torch.get_num_threads(), "num_threads_from": threads_from}
-    seed_everything(cfg.seed)
-    if cfg.run_name is None:  # a copy: the caller's config stays as given
-        cfg = dataclasses.replace(cfg, run_name=train_run_name(cfg.to_dict()))
-    run_dir = Path(cfg.output_dir)
     say = log if is_main else (lambda *a, **k: None)
-    prepare_run_dir(run_dir, resume=cfg.resume is not None, overwrite=overwrite, is_main=is_main, log=say,
-                    keep={"backbone": cfg.backbone, "train_data": cfg.train_data, "val_data": cfg.val_data})
+    return info, cpu, say
 
-    # 2. data and backbone
+
+@dataclasses.dataclass
+class _RunData:
+    """What step 2 of a run loads: the config (with the resolved KL factor), splits, backbone, model, encodings."""
+
+    cfg: TrainConfig
+    splits: object
+    backbone: str
+    health: object
+    model: object
+    train_enc: list
+    val_enc: list
+    train_report: object
+    val_report: object
+
+
+def _load_data_and_model(cfg: TrainConfig, *, say) -> _RunData:
+    """Splits, backbone (marker check before its weights load), model, encoded examples, the KL factor, calibration."""
+    from zcvae.model.cvae import ZCVAE
+    from zcvae.reference.health import check_markers
+
     splits = load_splits(cfg)
-    backbone = resolve_backbone_path(cfg.backbone, log=say) if cfg.backbone else default_backbone(cfg, log=say)
+    backbone = resolve_backbone_path(cfg.model.backbone, log=say) if cfg.model.backbone else default_backbone(cfg, log=say)
     if (conversion := conversion_record(backbone)) is not None:
         say(f"[backbone] {backbone}: {describe_conversion(conversion)}")
     # exits 2 (ValueError) on a backbone without the template markers, before its weights load
     health = check_markers(cfg, backbone, log=say)
-    model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.seed)
+    model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.optimization.seed)
     check_limits(cfg, model, backbone=backbone, log=say)
     num_slots = cfg.slot_tokens
-    train_enc, train_report = encode_examples(splits.train, model.tokenizer, model.tokens, max_length=cfg.max_length, num_z_slots=num_slots)
-    val_enc, val_report = encode_examples(splits.val, model.tokenizer, model.tokens, max_length=cfg.max_length, num_z_slots=num_slots)
+    train_enc, train_report = encode_examples(splits.train, model.tokenizer, model.tokens, max_length=cfg.data.max_length, num_z_slots=num_slots)
+    val_enc, val_report = encode_examples(splits.val, model.tokenizer, model.tokens, max_length=cfg.data.max_length, num_z_slots=num_slots)
     for name, report in (("train", train_report), ("val", val_report)):
-        if report.num_skipped:
-            say(f"[data] {name}: skipped {report.num_skipped} of {report.num_examples} examples, e.g. {report.skipped[:3]}")
-        if report.num_x_truncated:
-            say(f"[data] {name}: truncated x of {report.num_x_truncated} examples from the left")
-        if report.num_unknown_tokens:
-            say(f"[data] {name}: {report.num_unknown_tokens} of {report.num_tokens} tokens are unknown to the tokenizer "
-                f"(<unk>), e.g. in example {report.unknown_example!r}")
-            if report.num_unknown_tokens > report.num_tokens / 2:
-                raise ValueError(f"{name} data: {report.num_unknown_tokens} of {report.num_tokens} tokens are unknown (<unk>, e.g. "
-                                 f"example {report.unknown_example!r}): the backbone's tokenizer does not fit the data")
+        report_encoding(name, report, say=say)
     if not train_enc or not val_enc:
         raise ValueError(f"no usable example left: train {len(train_enc)}, val {len(val_enc)} (see the skip messages above)")
-    if cfg.kl_weight_scale == "tokens" and cfg.kl_weight_factor is None:
+    if cfg.objective.kl_weight_scale == "tokens" and cfg.objective.kl_weight_factor is None:
         # the explicit beta control of sum aggregation: sum scales reconstruction by ~mean n_i, so
         # beta x mean n_i keeps the KL's share of J where mean aggregation has it (docs/objective.md)
-        cfg = dataclasses.replace(cfg, kl_weight_factor=float(np.mean([ex.num_supervised for ex in val_enc])))
-        say(f"[kl] kl-weight-scale tokens: beta {cfg.kl_weight:g} x validation mean n_i {cfg.kl_weight_factor:.4g} = {cfg.effective_kl_weight:.4g}")
+        cfg = cfg.replace(kl_weight_factor=float(np.mean([ex.num_supervised for ex in val_enc])))
+        say(f"[kl] kl-weight-scale tokens: beta {cfg.objective.kl_weight:g} x validation mean n_i {cfg.objective.kl_weight_factor:.4g} = {cfg.effective_kl_weight:.4g}")
     model.calibrate(collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots))
+    return _RunData(cfg=cfg, splits=splits, backbone=backbone, health=health, model=model, train_enc=train_enc, val_enc=val_enc,
+                    train_report=train_report, val_report=val_report)
 
-    # 3. engine and optimizer; fail loudly if a latent parameter would not train
-    groups = model.param_groups(lora_lr=cfg.lora_learning_rate, latent_lr=cfg.latent_learning_rate, weight_decay=cfg.weight_decay)
-    model.check_trainable(p for g in groups for p in g["params"])
-    peak_lrs = [g["lr"] for g in groups]
-    engine = build_engine(cfg.engine_config(), model=model, param_groups=groups, learning_rate=cfg.lora_learning_rate, weight_decay=cfg.weight_decay)
 
-    # 4. z-free reference statistics and c_base (mode-matched, fingerprinted)
-    global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * info.world_size
-    passes = passes_over_data(num_examples=len(train_enc), global_batch_size=global_batch, max_steps=cfg.max_steps)
-    reference = ReferenceProvider.build(
-        cfg, engine=engine, model=model, backbone=backbone, train=train_enc, val=val_enc, passes=passes, log=say
-    )
-    health.check_c_base(reference.c_base, val=val_enc, examples=splits.val, task=splits.task, log=say)  # warns only
+def report_encoding(name: str, report, *, say) -> None:
+    """Say what encoding skipped, truncated or could not tokenize; ValueError when most tokens are unknown."""
+    if report.num_skipped:
+        say(f"[data] {name}: skipped {report.num_skipped} of {report.num_examples} examples, e.g. {report.skipped[:3]}")
+    if report.num_x_truncated:
+        say(f"[data] {name}: truncated x of {report.num_x_truncated} examples from the left")
+    if report.num_unknown_tokens:
+        say(f"[data] {name}: {report.num_unknown_tokens} of {report.num_tokens} tokens are unknown to the tokenizer "
+            f"(<unk>), e.g. in example {report.unknown_example!r}")
+        if report.num_unknown_tokens > report.num_tokens / 2:
+            raise ValueError(f"{name} data: {report.num_unknown_tokens} of {report.num_tokens} tokens are unknown (<unk>, e.g. "
+                             f"example {report.unknown_example!r}): the backbone's tokenizer does not fit the data")
+
+
+def _open_checkpoints(cfg: TrainConfig, *, engine, reference, allow_changes, is_main: bool, say):
+    """The checkpoint manager, and the resumed state (None on a fresh run); metrics past the resumed step are dropped."""
+    from zcvae.runs.checkpoint import CheckpointManager
+
+    run_dir = Path(cfg.run.output_dir)
+    checkpoints = CheckpointManager(run_dir / CHECKPOINTS, keep=cfg.run.keep_last_checkpoints, is_main=is_main,
+                                    on_event=fault_injection_from_env())
+    if cfg.run.resume is None:
+        return checkpoints, None
+    state = checkpoints.load(engine, cfg.run.resume, config=cfg, c_base=reference.c_base, allow_changes=allow_changes)
+    start_step = state["step"]
+    if start_step > cfg.optimization.max_steps:
+        # training nothing and saving the later weights under an earlier step label would corrupt the run
+        raise ValueError(
+            f"resume: checkpoint {state['checkpoint']!r} is at step {start_step}, past max_steps {cfg.optimization.max_steps}; "
+            f"resume with --max-steps {start_step} or more, or start a new run in another --output-dir"
+        )
+    if start_step == cfg.optimization.max_steps and start_step > 0:
+        return checkpoints, state  # complete: the caller returns its final metrics
+    say(f"[resume] from step {start_step}" + resume_note(state, cfg))
+    if is_main:
+        truncate_metrics(run_dir / METRICS, after_step=start_step)
+    return checkpoints, state
+
+
+def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, group_names, reference, checkpoints, start_step: int,
+              world_size: int, is_main: bool, signals, say) -> dict[str, float]:
+    """The step loop with the CVAE objective, evaluating every ``eval_every`` steps and at the end."""
+    from zcvae.eval.evaluation import evaluate
+
+    run_dir = Path(cfg.run.output_dir)
     recon_cfg = cfg.reconstruction_config()
     aux = AuxiliaryWeights.from_train_config(cfg)
-
-    checkpoints = CheckpointManager(run_dir / CHECKPOINTS, keep=cfg.keep_last_checkpoints, is_main=is_main,
-                                    on_event=fault_injection_from_env())
-    start_step = 0
-    if cfg.resume is not None:
-        state = checkpoints.load(engine, cfg.resume, config=cfg, c_base=reference.c_base, allow_changes=allow_changes)
-        start_step = state["step"]
-        if start_step > cfg.max_steps:
-            # training nothing and saving the later weights under an earlier step label would corrupt the run
-            raise ValueError(
-                f"resume: checkpoint {state['checkpoint']!r} is at step {start_step}, past max_steps {cfg.max_steps}; "
-                f"resume with --max-steps {start_step} or more, or start a new run in another --output-dir"
-            )
-        if start_step == cfg.max_steps and start_step > 0:
-            from zcvae.runs.rundir import final_eval_metrics
-
-            say(f"[resume] checkpoint {state['checkpoint']!r} is already at max_steps {cfg.max_steps}: the run is complete, nothing written")
-            return final_eval_metrics(run_dir)[1]
-        say(f"[resume] from step {start_step}" + resume_note(state, cfg))
-        if is_main:
-            truncate_metrics(run_dir / METRICS, after_step=start_step)
-
-    if is_main:
-        metadata = run_metadata(cfg, backbone, info.world_size, splits, train_report, val_report, reference, cpu=cpu,
-                                reference_health=health.to_dict())
-        metadata.update(resume_changes_record(run_dir, state if cfg.resume is not None else None))
-        atomic_write_json(run_dir / RUN_CONFIG, metadata)
     logger = RunLogger(run_dir, enabled=is_main)
-    say(f"[run] {cfg.run_name}: {len(train_enc)} train / {len(val_enc)} val examples, world {info.world_size}, "
-        f"engine {cfg.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
+    say(f"[run] {cfg.run.run_name}: {len(data.train_enc)} train / {len(data.val_enc)} val examples, world {world_size}, "
+        f"engine {cfg.engine.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
 
     def run_eval(step: int) -> dict[str, float]:
-        metrics = evaluate(engine=engine, model=model, cfg=cfg, val=val_enc, reference=reference, task=splits.task, run_dir=run_dir, step=step)
+        metrics = evaluate(engine=engine, model=model, cfg=cfg, val=data.val_enc, reference=reference, task=data.splits.task,
+                           run_dir=run_dir, step=step)
         logger.log("eval", step, metrics)
         return metrics
 
-    # 5. the loop (zcvae.train.loop), with the CVAE objective of one micro-batch
     # the posterior gradient of the dilution argument (docs/objective.md#dilution), every grad_probe_every steps (zcvae.train.grad_probe: reads the same forward)
-    probe = GradientProbe.for_model(model, task=splits.task, tokenizer=model.tokenizer) if cfg.grad_probe_every else None
-    objective = CVAEObjective(cfg, engine=engine, model=model, train=train_enc, reference=reference, recon_cfg=recon_cfg, aux=aux,
+    probe = GradientProbe.for_model(model, task=data.splits.task, tokenizer=model.tokenizer) if cfg.run.grad_probe_every else None
+    objective = CVAEObjective(cfg, engine=engine, model=model, train=data.train_enc, reference=reference, recon_cfg=recon_cfg, aux=aux,
                               probe=probe, logger=logger)
     final = run_loop(
-        engine=engine, objective=objective, settings=loop_settings(cfg), num_examples=len(train_enc), peak_lrs=peak_lrs,
-        group_names=[g["name"] for g in groups], lr_factor=lambda step: lr_factor_at(cfg, step), start_step=start_step,
-        checkpoints=checkpoints, checkpoint_state={"config": cfg, "c_base": reference.c_base}, evaluate=run_eval,
-        logger=logger, signals=signals, log=say,
+        engine=engine, objective=objective, settings=loop_settings(cfg), num_examples=len(data.train_enc),
+        peak_lrs=peak_lrs, group_names=group_names, lr_factor=lambda step: lr_factor_at(cfg, step),
+        start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": cfg, "c_base": reference.c_base},
+        evaluate=run_eval, logger=logger, signals=signals, log=say,
     )
     logger.hparams(cfg, final)
     logger.close()
-    say(f"[done] {cfg.run_name}: " + ", ".join(f"{k}={final[k]:.3f}" for k in ("nmi", "mi", "kl", "exact_match") if k in final))
+    return final
+
+
+def _finish(cfg: TrainConfig, final: dict[str, float], *, run_dir: Path, is_main: bool, say) -> None:
+    """The closing lines, and the verdict (after the checkpoint: a verdict must never cost a run)."""
+    from zcvae.reference.health import closure_note
+
+    say(f"[done] {cfg.run.run_name}: " + ", ".join(f"{k}={final[k]:.3f}" for k in ("nmi", "mi", "kl", "exact_match") if k in final))
     if (note := closure_note(final)) is not None:
         say(note)
-    if is_main:  # after the checkpoint: a verdict is read from the metrics, and must never cost a run
+    if is_main:
         from zcvae.eval.verdict import report_verdict
 
-        report_verdict(run_dir, final, cfg.to_dict(), step=cfg.max_steps, source="train", log=say)
-    return final
+        report_verdict(run_dir, final, cfg.to_dict(), step=cfg.optimization.max_steps, source="train", log=say)
 
 
 def loop_settings(cfg: TrainConfig) -> LoopSettings:
     return LoopSettings(
-        max_steps=cfg.max_steps, micro_batch_size=cfg.micro_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        seed=cfg.seed, log_every=cfg.log_every, eval_every=cfg.eval_every, save_every=cfg.save_every, max_grad_norm=cfg.max_grad_norm,
-        skip_nonfinite_steps=cfg.skip_nonfinite_steps, progress_bar=cfg.progress_bar, run_name=cfg.run_name,
+        max_steps=cfg.optimization.max_steps, micro_batch_size=cfg.optimization.micro_batch_size, gradient_accumulation_steps=cfg.optimization.gradient_accumulation_steps,
+        seed=cfg.optimization.seed, log_every=cfg.run.log_every, eval_every=cfg.evaluation.eval_every, save_every=cfg.run.save_every, max_grad_norm=cfg.optimization.max_grad_norm,
+        skip_nonfinite_steps=cfg.run.skip_nonfinite_steps, progress_bar=cfg.run.progress_bar, run_name=cfg.run.run_name,
     )
 
 
@@ -314,7 +382,7 @@ class CVAEObjective:
         self.beta, self.probing = 0.0, False
 
     def begin_step(self, step: int) -> None:
-        self.probing = self.probe is not None and (step + 1) % self.cfg.grad_probe_every == 0
+        self.probing = self.probe is not None and (step + 1) % self.cfg.run.grad_probe_every == 0
         self.beta = kl_weight_at(self.cfg, step)
 
     def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list:
@@ -362,8 +430,8 @@ def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
     runs on positions it never saw); a note when K is more than the latent figure draws."""
     from zcvae.eval.figures import MAX_FIGURE_ROWS
 
-    if cfg.latent_type == "discrete" and cfg.num_latents > MAX_FIGURE_ROWS:
-        log(f"[eval] num_latents {cfg.num_latents} > {MAX_FIGURE_ROWS}: latents.png shows the {MAX_FIGURE_ROWS} most used latents")
+    if cfg.model.latent_type == "discrete" and cfg.model.num_latents > MAX_FIGURE_ROWS:
+        log(f"[eval] num_latents {cfg.model.num_latents} > {MAX_FIGURE_ROWS}: latents.png shows the {MAX_FIGURE_ROWS} most used latents")
     config = getattr(getattr(model, "peft_model", None), "config", None)
     limit = None
     for name in ("max_position_embeddings", "n_positions", "n_ctx"):
@@ -371,8 +439,8 @@ def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
         if isinstance(value, int) and value > 0:
             limit = value
             break
-    if limit is not None and cfg.max_length > limit:
-        raise ValueError(f"max_length {cfg.max_length} exceeds the backbone's {limit} positions (max_position_embeddings of "
+    if limit is not None and cfg.data.max_length > limit:
+        raise ValueError(f"max_length {cfg.data.max_length} exceeds the backbone's {limit} positions (max_position_embeddings of "
                          f"{str(backbone)!r}); use --max-length {limit} or less")
 
 
@@ -380,9 +448,9 @@ def resume_note(state: dict, cfg: TrainConfig) -> str:
     """What the resume line adds: a raised ``max_steps`` (the schedules stretch) and allowed changes."""
     saved = (state.get("meta") or {}).get("config") or {}
     notes = []
-    if saved.get("max_steps") not in (None, cfg.max_steps):
-        notes.append(f"max_steps {saved['max_steps']} -> {cfg.max_steps}: the schedule's fractions (learning-rate warm-up "
-                     f"and decay, KL delay/ramp/cycles) now apply to the new total of {cfg.max_steps} steps")
+    if saved.get("max_steps") not in (None, cfg.optimization.max_steps):
+        notes.append(f"max_steps {saved['max_steps']} -> {cfg.optimization.max_steps}: the schedule's fractions (learning-rate warm-up "
+                     f"and decay, KL delay/ramp/cycles) now apply to the new total of {cfg.optimization.max_steps} steps")
     for change in state.get("changes", []):
         notes.append(f"{change['field']} {change['from']!r} -> {change['to']!r} from step {change['step']} (--resume-allow-change)")
     return ("; " + "; ".join(notes)) if notes else ""
@@ -407,15 +475,15 @@ def resume_changes_record(run_dir: Path, state: dict | None) -> dict:
 
 def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, reference, *, cpu=None, reference_health=None) -> dict:
     return {
-        "config": cfg.to_dict(),
-        "objective": cfg.objective,
-        "kl_weight_factor": 1.0 if cfg.kl_weight_factor is None else cfg.kl_weight_factor,
+        "config": cfg.to_sections(),  # nested; TrainConfig.from_dict and read_run_record read it flat too
+        "objective": cfg.objective.objective,
+        "kl_weight_factor": 1.0 if cfg.objective.kl_weight_factor is None else cfg.objective.kl_weight_factor,
         # measured at start-up: whether a subnormal times 1 came out 0, and the threads the steps ran on
         "cpu": cpu,
         "backbone": str(Path(backbone).resolve()),
         # the GGUF file and quantization the weights were dequantized from; None for a plain checkpoint
         "backbone_conversion": conversion_record(backbone),
-        "reconstruction_loss_token_aggregation_mode": cfg.reconstruction_loss_token_aggregation_mode,
+        "reconstruction_loss_token_aggregation_mode": cfg.objective.reconstruction_loss_token_aggregation_mode,
         "c_base": reference.c_base.to_dict(),
         "reference_policy": reference.policy,
         # zcvae.reference.health: markers the backbone lacked, c_base against its floor or threshold, warnings
@@ -436,6 +504,6 @@ def default_backbone(cfg: TrainConfig, *, log=print) -> str:
     """The built-in tiny backbone pretrained on the run's task, built once and cached."""
     from zcvae.backbone.builtin import builtin_backbone
 
-    if cfg.train_data is not None:
+    if cfg.data.train_data is not None:
         raise ValueError("--backbone is required with --train-data (pretrain one with `zcvae pretrain --train-data ...`)")
-    return str(builtin_backbone(cfg.task, log=log))
+    return str(builtin_backbone(cfg.data.task, log=log))

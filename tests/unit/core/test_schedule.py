@@ -15,7 +15,7 @@ def _old_backbone(step, *, warmup_steps, max_steps, min_lr_ratio):
 
 def test_the_shared_schedule_equals_the_old_backbone_and_trainer_ones_exactly():
     for warmup, max_steps, min_ratio in [(10, 110, 0.1), (0, 7, 0.0), (3, 3, 0.25), (5, 1000, 0.333)]:
-        cfg = TrainConfig(warmup_steps=warmup, max_steps=max_steps, min_lr_ratio=min_ratio)
+        cfg = TrainConfig.from_flat(warmup_steps=warmup, max_steps=max_steps, min_lr_ratio=min_ratio)
         for step in range(max_steps + 3):
             kw = dict(warmup_steps=warmup, max_steps=max_steps, min_lr_ratio=min_ratio)
             new = lr_multiplier(step, **kw)

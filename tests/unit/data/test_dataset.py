@@ -81,12 +81,12 @@ def test_passes_over_data():
 
 
 def test_load_splits_builtin_task_is_seeded():
-    cfg = TrainConfig(task="copy", seed=3, num_train_examples=6, num_val_examples=4)
+    cfg = TrainConfig.from_flat(task="copy", seed=3, num_train_examples=6, num_val_examples=4)
     splits = load_splits(cfg)
     assert splits.source == "task:copy" and splits.task is not None
     assert splits.train == make_examples("copy", seed=3, split="train", num_examples=6)
     assert splits.val == make_examples("copy", seed=3, split="val", num_examples=4)
-    other = load_splits(TrainConfig(task="copy", seed=4, num_train_examples=6, num_val_examples=4))
+    other = load_splits(TrainConfig.from_flat(task="copy", seed=4, num_train_examples=6, num_val_examples=4))
     assert [e.x for e in other.train] != [e.x for e in splits.train]
 
 
@@ -95,10 +95,10 @@ def test_load_splits_jsonl(tmp_path):
     train.write_text("".join(json.dumps({"id": f"t{i}", "x": "1 2", "y": "fwd 1 2 ."}) + "\n" for i in range(3)))
     val.write_text(json.dumps({"id": "v0", "x": "3", "y": "fwd 3 ."}) + "\n")
     empty.write_text("\n")
-    splits = load_splits(TrainConfig(train_data=str(train), val_data=str(val)))
+    splits = load_splits(TrainConfig.from_flat(train_data=str(train), val_data=str(val)))
     assert [e.id for e in splits.train] == ["t0", "t1", "t2"] and [e.id for e in splits.val] == ["v0"]
     assert splits.task is None and splits.source == f"jsonl:{train}"
     with pytest.raises(ValueError, match="train_data .*empty.jsonl"):
-        load_splits(TrainConfig(train_data=str(empty), val_data=str(val)))
+        load_splits(TrainConfig.from_flat(train_data=str(empty), val_data=str(val)))
     with pytest.raises(ValueError, match="val_data .*empty.jsonl"):
-        load_splits(TrainConfig(train_data=str(train), val_data=str(empty)))
+        load_splits(TrainConfig.from_flat(train_data=str(train), val_data=str(empty)))

@@ -71,7 +71,7 @@ def test_evaluate_without_a_parser_decodes_every_latent(setup, tmp_path):
     metrics = evaluate(engine=engine, model=s.model, cfg=s.cfg, val=s.val, reference=s.reference, task=None,
                        run_dir=tmp_path, step=3)
     # 5 x K = 3 rows in micro-batches of 2 examples (6 rows): 3 batches of max_new_tokens forwards, as with a parser
-    assert [m for m, _ in counting.calls].count("decode") == 3 * s.cfg.max_new_tokens
+    assert [m for m, _ in counting.calls].count("decode") == 3 * s.cfg.evaluation.max_new_tokens
     assert metrics["decode/num_examples"] == 5 and "control/purity" not in metrics
     # recompute the fraction from the decodes written for a person to read (all 5 x are among the samples)
     samples = json.loads((tmp_path / "eval_step3.json").read_text())["samples"]

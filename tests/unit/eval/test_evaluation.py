@@ -349,13 +349,13 @@ def setup(tiny_backbone):
 
     backbone = tiny_backbone(hidden_size=16, num_layers=1, intermediate_size=32)
     task = get_task("copy")
-    cfg = TrainConfig(task="copy", backbone=str(backbone), micro_batch_size=2, num_eval_decode_examples=5, max_new_tokens=5,
+    cfg = TrainConfig.from_flat(task="copy", backbone=str(backbone), micro_batch_size=2, num_eval_decode_examples=5, max_new_tokens=5,
                       reference_policy="online", num_latents=3)
     model = _build_model(cfg)
     # 5 examples in micro-batches of 2: a 2-way shard gives rank 0 three examples (two batches) and rank 1
     # two, so rank 1 must run a padding batch, in the example pass and in decoding (all 5 are decoded)
     val, _ = encode_examples(make_examples(task, seed=0, split="val", num_examples=5), model.tokenizer, model.tokens,
-                             max_length=cfg.max_length, num_z_slots=cfg.slot_tokens)
+                             max_length=cfg.data.max_length, num_z_slots=cfg.slot_tokens)
     assert len(val) == 5
     engine, reference = _engine_and_reference(cfg, model, val)
     return SimpleNamespace(cfg=cfg, model=model, engine=engine, reference=reference, val=val, task=task, backbone=backbone)
@@ -366,9 +366,9 @@ def _build_model(cfg):
     from zcvae.model.cvae import ZCVAE
     from zcvae.templates import collate, encode_examples
 
-    model = ZCVAE.from_pretrained(cfg.backbone, cfg.model_config(), seed=0)
+    model = ZCVAE.from_pretrained(cfg.model.backbone, cfg.model_config(), seed=0)
     calib, _ = encode_examples(make_examples(get_task("copy"), seed=1, split="train", num_examples=8), model.tokenizer,
-                               model.tokens, max_length=cfg.max_length, num_z_slots=cfg.slot_tokens)
+                               model.tokens, max_length=cfg.data.max_length, num_z_slots=cfg.slot_tokens)
     with torch.no_grad():
         # the router's standardisation statistics come from the first batch that reaches it
         model.encode(collate(calib, model.tokens, num_z_slots=cfg.slot_tokens))
@@ -385,7 +385,7 @@ def _engine_and_reference(cfg, model, val):
 
     groups = model.param_groups(lora_lr=1e-3, latent_lr=1e-2, weight_decay=0.0)
     engine = build_engine(EngineConfig(), model=model, param_groups=groups, learning_rate=1e-3)
-    reference = ReferenceProvider.build(cfg, engine=engine, model=model, backbone=cfg.backbone, train=val, val=val,
+    reference = ReferenceProvider.build(cfg, engine=engine, model=model, backbone=cfg.model.backbone, train=val, val=val,
                                         passes=1.0, log=lambda *a: None)
     return engine, reference
 
@@ -436,8 +436,8 @@ def test_evaluate_returns_every_metric_writes_files_and_restores_train_mode(setu
     assert not bad, bad
     # decoding: 5 examples x K=3 latents, micro-batches of 2 examples -> 3 batches of exactly 5 forwards
     modes = [m for m, _ in counting.calls]
-    assert modes.count("decode") == 3 * s.cfg.max_new_tokens
-    assert modes.count("train") == math.ceil(len(s.val) / s.cfg.micro_batch_size)
+    assert modes.count("decode") == 3 * s.cfg.evaluation.max_new_tokens
+    assert modes.count("train") == math.ceil(len(s.val) / s.cfg.optimization.micro_batch_size)
     assert metrics["decode/max_new_tokens"] == 5 and metrics["decode/num_examples"] == 5
     assert 0 <= metrics["nmi"] <= 1 and metrics["mi"] >= 0 and 1 <= metrics["router_support"] <= 3
     assert metrics["c_base"] == pytest.approx(s.reference.c_base.value)
@@ -473,7 +473,7 @@ def test_evaluate_losses_and_mi_match_a_direct_whole_set_forward(setup):
         ref = s.reference.ref_nll(s.engine, batch)
         out = s.model.train_forward(batch)
         terms = per_example_objective(out, ref_nll_BN=ref, c_base=s.reference.c_base.value,
-                                      recon_config=s.cfg.reconstruction_config(), kl_weight=s.cfg.kl_weight,
+                                      recon_config=s.cfg.reconstruction_config(), kl_weight=s.cfg.objective.kl_weight,
                                       aux=AuxiliaryWeights.from_train_config(s.cfg))
     s.model.train()
     for name in ("loss", "kl", "reconstruction_loss", "token_weighted_reconstruction_loss"):
@@ -530,7 +530,7 @@ def test_simulated_two_rank_evaluation_on_an_odd_set_matches_one_process(setup, 
     assert results[0] == results[1]  # every rank returns the same metrics
     calls = [[m for m, _ in module.calls] for module in modules]
     assert calls[0] == calls[1]  # the same forwards, in order: rank 1 ran padding batches
-    assert calls[0].count("train") == 2 and calls[0].count("decode") == 2 * s.cfg.max_new_tokens
+    assert calls[0].count("train") == 2 and calls[0].count("decode") == 2 * s.cfg.evaluation.max_new_tokens
     assert set(results[0]) == set(single)
     # The stratified and reachable metrics are among the keys compared (the shards split every stratum).
     assert {"nmi_reachable", "nmi_ratio", "by_length/t1/nmi", "by_length/t1/exact_match", "by_length/t1/answer_accuracy",
@@ -546,7 +546,7 @@ def test_gaussian_evaluation_reports_active_units_and_posterior_mean_decodes(set
     from zcvae.config import TrainConfig
 
     s = setup
-    cfg = TrainConfig(task="copy", backbone=str(s.backbone), micro_batch_size=4, num_eval_decode_examples=2,
+    cfg = TrainConfig.from_flat(task="copy", backbone=str(s.backbone), micro_batch_size=4, num_eval_decode_examples=2,
                       max_new_tokens=3, reference_policy="online", latent_type="continuous", latent_dim=4,
                       num_latent_samples=2)
     model = _build_model(cfg)
@@ -571,7 +571,7 @@ def test_evaluate_run_reproduces_the_trainers_final_evaluation(setup, tmp_path, 
 
     s = setup
     run_dir = tmp_path / "run"
-    cfg = TrainConfig(task="copy", backbone=str(s.backbone), output_dir=str(run_dir), num_train_examples=16, num_val_examples=5,
+    cfg = TrainConfig.from_flat(task="copy", backbone=str(s.backbone), output_dir=str(run_dir), num_train_examples=16, num_val_examples=5,
                       max_steps=2, micro_batch_size=4, num_eval_decode_examples=3, max_new_tokens=4, progress_bar=False,
                       reference_policy="online", log_every=1, num_latents=2)
     final = train(cfg, log=lambda *a: None)

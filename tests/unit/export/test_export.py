@@ -35,9 +35,9 @@ def trained(tmp_path_factory, tiny_backbone, checkpointed_run):
     """(run_dir, model): a run directory with one complete checkpoint of ``model``."""
     root = tmp_path_factory.mktemp("export")
     backbone = tiny_backbone()
-    cfg = TrainConfig(backbone=str(backbone), num_latents=3, lora_r=4, max_length=32, seed=0,
+    cfg = TrainConfig.from_flat(backbone=str(backbone), num_latents=3, lora_r=4, max_length=32, seed=0,
                       reconstruction_loss_token_aggregation_mode="sum", output_dir=str(root / "run"), run_name="tiny")
-    model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.seed)
+    model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.optimization.seed)
     batch = collate([example(model, "3 1 4", "fwd 3 1 4 ."), example(model, "2 7 1 8", Y), example(model, "5 5", "fwd 5 5 .")], model.tokens)
     run_dir = checkpointed_run(model, batch, cfg, scale=0.05, step=5, c_base=C_BASE)
     (run_dir / "metrics.jsonl").write_text(

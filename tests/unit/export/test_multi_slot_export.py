@@ -30,10 +30,10 @@ def greedy_reference(model, x: str, k: int, max_new_tokens: int) -> str:
 
 def test_multi_slot_discrete_export_load_and_generate(tmp_path, capsys, tiny_backbone, checkpointed_run):
     backbone = tiny_backbone()
-    cfg = TrainConfig(backbone=str(backbone), num_latents=3, num_z_slots=2, lora_r=4, max_length=32, seed=0,
+    cfg = TrainConfig.from_flat(backbone=str(backbone), num_latents=3, num_z_slots=2, lora_r=4, max_length=32, seed=0,
                       output_dir=str(tmp_path / "run"), run_name="tiny")
     assert cfg.slot_tokens == 2, "training and evaluation collate the discrete latent's M slots"
-    model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.seed)
+    model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.optimization.seed)
     batch = collate([encoded(model, "3 1 4", "fwd 3 1 4 ."), encoded(model, "2 7", "rev 7 2 .")], model.tokens, num_z_slots=2)
     run_dir = checkpointed_run(model, batch, cfg, scale=0.3, step=1, c_base=C_BASE)
     out = tmp_path / "export"

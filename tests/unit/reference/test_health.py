@@ -34,7 +34,7 @@ C_BASE = {"value": 0.25, "mode": "mean", "fingerprint": "f00d", "source": "valid
 
 
 def _cfg(**kw) -> TrainConfig:
-    return TrainConfig(**{"output_dir": "runs/a", **kw})
+    return TrainConfig.from_flat(**{"output_dir": "runs/a", **kw})
 
 
 # ------------------------------------------------------------------------------------------ markers
@@ -240,9 +240,9 @@ def test_fresh_marker_rows_round_trip_through_export_and_load(raw_tiny_backbone,
     from zcvae.model.cvae import ZCVAE
 
     backbone = raw_tiny_backbone()
-    cfg = TrainConfig(backbone=str(backbone), num_latents=2, lora_r=4, max_length=32, allow_fresh_markers=True,
+    cfg = TrainConfig.from_flat(backbone=str(backbone), num_latents=2, lora_r=4, max_length=32, allow_fresh_markers=True,
                       output_dir=str(tmp_path / "run"), run_name="raw")
-    model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.seed)
+    model = ZCVAE.from_pretrained(str(backbone), cfg.model_config(), seed=cfg.optimization.seed)
     batch = _batch(model)
     run_dir = checkpointed_run(model, batch, cfg, scale=0.05, step=2, c_base=C_BASE)
     model.eval()

@@ -29,17 +29,17 @@ def _arms(path):
         assert recover_params(script) == run.params
         cfg = resolve_train_config(build_parser().parse_args(["train", *recover_train_args(script)]))
         # the script trains exactly the preset (no weight flag in the family overrides it)
-        expected = {**preset_values(cfg.objective)}
+        expected = {**preset_values(cfg.objective.objective)}
         for field in RECONSTRUCTION_WEIGHT_FIELDS:
-            assert getattr(cfg, field) == expected[field], (run.name, field)
+            assert cfg.to_dict()[field] == expected[field], (run.name, field)
         if "token_weight_alpha" in run.params:
-            assert cfg.token_weight_alpha == run.params["token_weight_alpha"]
+            assert cfg.objective.token_weight_alpha == run.params["token_weight_alpha"]
         elif "token_weight_alpha" in expected:
-            assert cfg.token_weight_alpha == expected["token_weight_alpha"]
-        assert cfg.reconstruction_loss_token_aggregation_mode == run.params["reconstruction_loss_token_aggregation_mode"]
-        assert f"agg-{cfg.reconstruction_loss_token_aggregation_mode}" in run.name and cfg.run_name == run.name
-        out.append((cfg.objective, cfg.reconstruction_loss_token_aggregation_mode, cfg.kl_weight_scale,
-                    cfg.token_weight_alpha, cfg.kl_weight, cfg.seed))
+            assert cfg.objective.token_weight_alpha == expected["token_weight_alpha"]
+        assert cfg.objective.reconstruction_loss_token_aggregation_mode == run.params["reconstruction_loss_token_aggregation_mode"]
+        assert f"agg-{cfg.objective.reconstruction_loss_token_aggregation_mode}" in run.name and cfg.run.run_name == run.name
+        out.append((cfg.objective.objective, cfg.objective.reconstruction_loss_token_aggregation_mode, cfg.objective.kl_weight_scale,
+                    cfg.objective.token_weight_alpha, cfg.objective.kl_weight, cfg.optimization.seed))
     assert len(set(out)) == len(out)
     return out
 
@@ -106,8 +106,8 @@ def test_late_decisions_config_is_the_first_arm_of_late_pool_support():
     arm = {key: values[0] for key, values in family["zip"][0].items()}
     assert arm["kl_delay_fraction"] == 0.6 and arm["router_support_weight"] == 1.0
     for key, value in arm.items():
-        assert getattr(cfg, key) == value, key
-    assert cfg.distribution_normalized_reconstruction_weight == 1.0 and cfg.reconstruction_weight == 1.0
+        assert cfg.to_dict()[key] == value, key
+    assert cfg.objective.distribution_normalized_reconstruction_weight == 1.0 and cfg.objective.reconstruction_weight == 1.0
 
 
 def _trained(path):
@@ -121,7 +121,7 @@ def _trained(path):
     for run in runs:
         script = render_script(template_text=template, run=run, slurm=slurm, log_dir="/tmp/logs")
         cfg = resolve_train_config(build_parser().parse_args(["train", *recover_train_args(script)]))
-        assert cfg.run_name == run.name
+        assert cfg.run.run_name == run.name
         cfgs.append(cfg)
     return cfgs
 
@@ -132,14 +132,14 @@ def test_token_weighting_family_is_matched_alpha_on_the_late_decision_tasks():
     from zcvae.sweep.family import confound_warnings
 
     cfgs = _trained(FAMILIES / "token-weighting.yaml")
-    arms = {(c.task, c.objective, c.token_weight_alpha, c.reconstruction_loss_token_aggregation_mode, c.seed) for c in cfgs}
+    arms = {(c.data.task, c.objective.objective, c.objective.token_weight_alpha, c.objective.reconstruction_loss_token_aggregation_mode, c.optimization.seed) for c in cfgs}
     assert arms == {(t, o, a, m, s) for t in ("sort3", "mul") for o in ("tok", "tokcc", "tokinv")
                     for a in (0.5, 1.0) for m in ("mean", "sum") for s in SEEDS}
     assert len(cfgs) == len(arms) == 72
-    assert {(c.task, c.num_latents, c.posterior_pooling) for c in cfgs} == {("sort3", 3, "mean"), ("mul", 3, "last")}
+    assert {(c.data.task, c.model.num_latents, c.model.posterior_pooling) for c in cfgs} == {("sort3", 3, "mean"), ("mul", 3, "last")}
     for c in cfgs:
-        weighted = {f for f in RECONSTRUCTION_WEIGHT_FIELDS if getattr(c, f) > 0}
-        assert weighted == {f for f, v in preset_values(c.objective).items() if f in RECONSTRUCTION_WEIGHT_FIELDS and v > 0}
+        weighted = {f for f in RECONSTRUCTION_WEIGHT_FIELDS if getattr(c.objective, f) > 0}
+        assert weighted == {f for f, v in preset_values(c.objective.objective).items() if f in RECONSTRUCTION_WEIGHT_FIELDS and v > 0}
     family = load_family(FAMILIES / "token-weighting.yaml")
     runs = local_plan(family, output_dir="/tmp/tw")
     assert confound_warnings(runs) == []
@@ -151,17 +151,17 @@ def test_aggregation_family_is_seed_000s_four_arm_ablation():
     """mean, token, sum and sum / C, each with raw and dist, with and without kl-weight-scale tokens, 3 seeds, on
     sort (K 2) and sort3 (K 3, pooled posterior); C near each task's mean supervised length; mean stays default."""
     cfgs = _trained(FAMILIES / "aggregation.yaml")
-    arms = {(c.task, c.reconstruction_loss_token_aggregation_mode, c.reconstruction_loss_sum_scale, c.objective,
-             c.kl_weight_scale, c.seed) for c in cfgs}
+    arms = {(c.data.task, c.objective.reconstruction_loss_token_aggregation_mode, c.objective.reconstruction_loss_sum_scale, c.objective.objective,
+             c.objective.kl_weight_scale, c.optimization.seed) for c in cfgs}
     scale = {"sort": 14.0, "sort3": 16.0}
     assert arms == {(t, m, s, o, k, seed) for t in ("sort", "sort3")
                     for m, s in (("mean", None), ("token", None), ("sum", None), ("sum", scale[t]))
                     for o in ("raw", "dist") for k in ("none", "tokens") for seed in SEEDS}
     assert len(cfgs) == len(arms) == 96
-    assert {(c.task, c.num_latents, c.posterior_pooling) for c in cfgs} == {("sort", 2, "last"), ("sort3", 3, "mean")}
-    names = {c.run_name for c in cfgs}
+    assert {(c.data.task, c.model.num_latents, c.model.posterior_pooling) for c in cfgs} == {("sort", 2, "last"), ("sort3", 3, "mean")}
+    names = {c.run.run_name for c in cfgs}
     assert len(names) == 96 and any("agg-token_" in n for n in names) and any("_sumscale-16_" in n for n in names)
-    assert TrainConfig.reconstruction_loss_token_aggregation_mode == "mean"
+    assert TrainConfig().objective.reconstruction_loss_token_aggregation_mode == "mean"
     # C is about the validation mean of n_i of its task (y tokens + </y>), so sum / C has the per-token scale
     from zcvae.data.tasks import make_examples
 

@@ -20,14 +20,14 @@ def _model_and_batches(backbone, *, checkpointing: bool):
     from zcvae.templates import collate, encode_examples
 
     extra = dict(gradient_checkpointing=True, branch_chunk_size=3) if checkpointing else {}
-    cfg = TrainConfig(task="copy", backbone=str(backbone), objective="raw+tokcc", num_latents=2, **extra)
-    model = ZCVAE.from_pretrained(cfg.backbone, cfg.model_config(), seed=0)
+    cfg = TrainConfig.from_flat(task="copy", backbone=str(backbone), objective="raw+tokcc", num_latents=2, **extra)
+    model = ZCVAE.from_pretrained(cfg.model.backbone, cfg.model_config(), seed=0)
     if checkpointing:
         from zcvae.engines.base import enable_gradient_checkpointing
 
         enable_gradient_checkpointing(model)
     examples, _ = encode_examples(make_examples(get_task("copy"), seed=0, split="train", num_examples=8), model.tokenizer,
-                                  model.tokens, max_length=cfg.max_length, num_z_slots=1)
+                                  model.tokens, max_length=cfg.data.max_length, num_z_slots=1)
     batches = [collate(examples[:4], model.tokens, num_z_slots=1), collate(examples[4:], model.tokens, num_z_slots=1)]
     model.calibrate(collate(examples, model.tokens, num_z_slots=1))
     g = torch.Generator().manual_seed(3)
@@ -139,10 +139,10 @@ def test_config_refuses_the_probe_off_the_local_engine_and_keeps_the_run_name():
     from zcvae.config import TrainConfig, train_run_name
 
     with pytest.raises(ValueError, match="grad_probe_every needs engine local"):
-        TrainConfig(task="copy", engine="fsdp2", grad_probe_every=5)
+        TrainConfig.from_flat(task="copy", engine="fsdp2", grad_probe_every=5)
     with pytest.raises(ValueError, match="grad_probe_every must be >= 0"):
-        TrainConfig(task="copy", grad_probe_every=-1)
-    on, off = TrainConfig(task="copy", grad_probe_every=5), TrainConfig(task="copy")
+        TrainConfig.from_flat(task="copy", grad_probe_every=-1)
+    on, off = TrainConfig.from_flat(task="copy", grad_probe_every=5), TrainConfig.from_flat(task="copy")
     assert train_run_name(on.to_dict()) == train_run_name(off.to_dict())
 
 
@@ -162,7 +162,7 @@ def test_a_probed_run_trains_bit_for_bit_like_an_unprobed_one(tiny_backbone, tmp
     runs = {}
     for probe_every in (0, 1):
         run_dir = tmp_path / f"probe{probe_every}"
-        train(TrainConfig(**common, output_dir=str(run_dir), grad_probe_every=probe_every), log=lambda *a: None)
+        train(TrainConfig.from_flat(**common, output_dir=str(run_dir), grad_probe_every=probe_every), log=lambda *a: None)
         runs[probe_every] = _records(run_dir)
     off = [r for r in runs[0] if r["split"] != "grad_probe"]
     on = [r for r in runs[1] if r["split"] != "grad_probe"]
