@@ -76,7 +76,7 @@ class ReferenceProvider:
                 log(f"[reference] {e}; falling back to the online policy")
                 policy = "online"
             backbone_digest = hashlib.sha256(f"unhashed:{backbone}".encode()).hexdigest()
-        extra = {"precision": getattr(cfg, "precision", None), "seed": getattr(cfg, "seed", None)}
+        extra = {"precision": cfg.engine.precision, "seed": cfg.optimization.seed}
         fps = {
             split: reference_fingerprint(backbone=backbone_digest, tokens=model.tokens, vocab=model.tokenizer, examples=examples, extra=extra)
             for split, examples in (("train", train), ("validation", val))

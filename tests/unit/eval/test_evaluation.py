@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from zcvae.config import TrainConfig
 from zcvae.model.decoding import greedy_decode
 from zcvae.eval.evaluation import decode_length, evaluate, gather_records, shard_indices, summarize
 from zcvae.eval.records import DecodeRecord, ExampleRecord
@@ -72,8 +73,8 @@ def test_greedy_decode_runs_fixed_steps_and_stops_rows_at_the_stop_token():
 
 def test_decode_length_defaults_to_longest_y_plus_two():
     val = [SimpleNamespace(y_ids=(1, 2, 3)), SimpleNamespace(y_ids=(1,) * 7)]
-    assert decode_length(SimpleNamespace(max_new_tokens=None), val) == 9
-    assert decode_length(SimpleNamespace(max_new_tokens=4), val) == 4
+    assert decode_length(TrainConfig.from_flat(max_new_tokens=None), val) == 9
+    assert decode_length(TrainConfig.from_flat(max_new_tokens=4), val) == 4
 
 
 class _Task:
@@ -102,8 +103,8 @@ def _record(i, q, strategy, n=2):
 
 
 def test_summarize_computes_whole_set_metrics_and_controllability_by_hand():
-    cfg = SimpleNamespace(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
-                          router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
+    cfg = TrainConfig.from_flat(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
+                                router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
     val = [SimpleNamespace(id=f"e{i}", x_ids=(3,), y_ids=(1, 3), strategy=s) for i, s in enumerate(["A", "B", "A"])]
     records = [_record(0, [1.0, 0.0], "A"), _record(1, [0.0, 1.0], "B", n=1), _record(2, [0.9, 0.1], "A")]
     # latent 0 -> "A 7" (correct for x = 7), latent 1 -> "B 8" (wrong answer); example 1 latent 1 never closed
@@ -136,8 +137,8 @@ def test_summarize_computes_whole_set_metrics_and_controllability_by_hand():
 
 def test_summarize_adds_the_batch_level_router_terms_of_the_objective_on_the_whole_set():
     # J's batch-level terms are w_kl KL(mean q || U) - w_support H(mean q), with the whole set as the batch.
-    cfg = SimpleNamespace(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.7,
-                          router_marginal_kl_weight=0.3, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
+    cfg = TrainConfig.from_flat(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.7,
+                                router_marginal_kl_weight=0.3, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
     val = [SimpleNamespace(id=f"e{i}", x_ids=(3,), y_ids=(1, 3), strategy=s) for i, s in enumerate(["A", "B", "A"])]
     records = [_record(0, [1.0, 0.0], "A"), _record(1, [0.0, 1.0], "B", n=1), _record(2, [0.9, 0.1], "A")]
     scalars, _ = summarize(records, [], cfg=cfg, val=val, task=_Task(), tokenizer=_Tok(), c_base=2.0, num_decode_steps=5)
@@ -189,8 +190,8 @@ def _stratified_set():
 def test_summarize_stratified_and_reachable_metrics_are_exact_on_a_hand_built_set(tmp_path):
     from zcvae.eval.evaluation import _write_outputs
 
-    cfg = SimpleNamespace(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
-                          router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
+    cfg = TrainConfig.from_flat(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
+                                router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
     val, records, gold = _stratified_set()
     scalars, details = summarize(records, [], cfg=cfg, val=val, task=None, tokenizer=_Tok(), c_base=0.0, num_decode_steps=None)
     argmax = [0, 0, 1, 1, 1, 0]
@@ -243,8 +244,8 @@ def test_summarize_stratified_and_reachable_metrics_are_exact_on_a_hand_built_se
 
 def test_decoding_metrics_and_kappa_by_stratum_are_exact_on_a_hand_built_set():
     """Exact match, parse rate, answer accuracy and kappa per strategy and per length tercile, by hand."""
-    cfg = SimpleNamespace(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
-                          router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
+    cfg = TrainConfig.from_flat(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
+                                router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
     gold = ["A", "A", "B", "B", "A", "B"]
     lengths = [2, 2, 3, 4, 4, 5]  # terciles: cut points 2 and 4 -> t1 = {0, 1}, t2 = {2, 3, 4}, t3 = {5}
     q = [[0.9, 0.1], [0.8, 0.2], [0.1, 0.9], [0.3, 0.7], [0.6, 0.4], [0.2, 0.8]]  # argmax 0 0 1 1 0 1
@@ -343,7 +344,6 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def setup(tiny_backbone):
-    from zcvae.config import TrainConfig
     from zcvae.data import get_task, make_examples
     from zcvae.templates import encode_examples
 
@@ -543,8 +543,6 @@ def test_simulated_two_rank_evaluation_on_an_odd_set_matches_one_process(setup, 
 
 
 def test_gaussian_evaluation_reports_active_units_and_posterior_mean_decodes(setup):
-    from zcvae.config import TrainConfig
-
     s = setup
     cfg = TrainConfig.from_flat(task="copy", backbone=str(s.backbone), micro_batch_size=4, num_eval_decode_examples=2,
                       max_new_tokens=3, reference_policy="online", latent_type="continuous", latent_dim=4,
@@ -566,7 +564,7 @@ def test_evaluate_run_reproduces_the_trainers_final_evaluation(setup, tmp_path, 
     import json
 
     from zcvae.commands.cli import main
-    from zcvae.config import TrainConfig
+
     from zcvae.train.trainer import train
 
     s = setup
@@ -631,8 +629,8 @@ def test_nmi_reachable_on_mul_equals_the_canonical_strategy_nmi():
 
 def test_closure_rate_is_the_share_of_every_decode_that_emits_the_closing_marker():
     """Every decoded row counts (each latent of each x, the argmax latent or not), unlike exact match."""
-    cfg = SimpleNamespace(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
-                          router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
+    cfg = TrainConfig.from_flat(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
+                                router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
     val = [SimpleNamespace(id=f"e{i}", x_ids=(3,), y_ids=(1, 3), strategy=s) for i, s in enumerate(["A", "B", "A"])]
     records = [_record(0, [1.0, 0.0], "A"), _record(1, [0.0, 1.0], "B"), _record(2, [0.9, 0.1], "A")]
     decodes = [
@@ -648,3 +646,21 @@ def test_closure_rate_is_the_share_of_every_decode_that_emits_the_closing_marker
     assert [s["closed"] for s in details["samples"]] == [d.closed for d in decodes]
     scalars, _ = summarize(records, [], cfg=cfg, val=val, task=_Task(), tokenizer=_Tok(), c_base=1.0, num_decode_steps=None)
     assert "closure_rate" not in scalars  # nothing decoded, nothing to report
+
+
+def test_the_reference_fingerprint_carries_the_runs_precision_and_seed(setup):
+    """The provider reads precision and seed from their sections into the store's fingerprint (they change b or
+    the new marker rows); read as flat attributes of the sectioned config they silently became None, so stores
+    of other seeds matched and old run directories no longer resumed (c_base fingerprint changed)."""
+    from zcvae.reference.provider import ReferenceProvider
+    from zcvae.reference.store import fingerprint_backbone, reference_fingerprint
+
+    s = setup
+    digests = {}
+    for seed in (0, 1):
+        cfg = s.cfg.replace(seed=seed)
+        digests[seed] = ReferenceProvider.build(cfg, engine=s.engine, model=s.model, backbone=cfg.model.backbone, train=s.val,
+                                                val=s.val, passes=1.0, log=lambda *a: None).fingerprints["validation"]
+    want = reference_fingerprint(backbone=fingerprint_backbone(s.backbone), tokens=s.model.tokens, vocab=s.model.tokenizer,
+                                 examples=s.val, extra={"precision": "fp32", "seed": 0}).digest
+    assert digests[0] == want and digests[1] != digests[0]
