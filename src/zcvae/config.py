@@ -1,10 +1,17 @@
-"""The resolved training configuration: one flat dataclass, the single source of every CLI flag.
+"""The resolved training configuration: :class:`TrainConfig` in sections, the single source of every CLI flag.
 
-Every field can be set in a YAML/JSON config file and by a CLI flag named after the field in kebab
-case (``token_weight_alpha`` -> ``--token-weight-alpha``). The flat layout keeps the run name, the
-sweep helper and the aggregate tables working on one plain dict; the typed sub-configs the library
-needs (:class:`~zcvae.core.losses.ReconstructionLossConfig`, :class:`~zcvae.model.config.ModelConfig`,
-:class:`~zcvae.engines.EngineConfig`) are built from it in one place.
+The sections are nested dataclasses (data, model, objective, optimization, engine, run, evaluation), as
+``run_config.json`` writes them. Every field of every section is also a flat key, named once across the
+sections: the CLI flag in kebab case (``token_weight_alpha`` -> ``--token-weight-alpha``), the flat YAML
+key and the run-name field. A config file may give keys flat, in sections, or both
+(:func:`flat_values`); ``run_config.json`` files written before the sections (one flat mapping) still
+load, so old run directories resume. The typed sub-configs the library needs
+(:class:`~zcvae.core.losses.ReconstructionLossConfig`, :class:`~zcvae.model.config.ModelConfig`,
+:class:`~zcvae.engines.EngineConfig`) are built from their sections in one place, here.
+
+Why this module is over 600 lines: each field carries its own help text (the CLI's ``--help`` is
+generated from it), which is about 150 lines, and the presets, the cross-field rules and the run names
+all read those fields; split apart, each would have to import the others back.
 
 Defaults start from what a CPU prototype of this CVAE measured (docs/objective.md, "The KL and its schedules"):
 LoRA lr 1e-3, z rows and routers 1e-2, no weight decay, clipping at 1.0, and a KL weight held at 0 for
