@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zcvae.runs.rundir import read_run_record
+
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 REPO = TESTS.parent
@@ -232,7 +234,8 @@ def read_metrics(run_dir: str | os.PathLike) -> tuple[list[dict], list[dict]]:
 
 
 def read_run_config(run_dir: str | os.PathLike) -> dict:
-    return json.loads(Path(run_dir, "run_config.json").read_text())
+    """run_config.json with its ``config`` flat (the file keeps it in sections)."""
+    return read_run_record(run_dir)
 
 
 def close(a: float | None, b: float | None, *, tol: float) -> bool:

@@ -5,6 +5,7 @@ import json
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from zcvae.core.losses import RECONSTRUCTION_TERMS
+from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
 
 TRAIN = ["--task", "copy", "--max-steps", "4", "--micro-batch-size", "8", "--num-train-examples", "64",
          "--num-val-examples", "12", "--num-eval-decode-examples", "4", "--log-every", "2", "--no-progress-bar"]
@@ -26,7 +27,7 @@ def test_train_mean_and_sum_then_aggregate(cli, tiny_backbone, tmp_path):
                 "--distribution-normalized-reconstruction-weight", "1", "--reconstruction-weight", "0", cwd=tmp_path)
         runs[mode] = run_dir
 
-        meta = json.loads((run_dir / "run_config.json").read_text())
+        meta = read_run_record(run_dir)
         assert meta["config"]["reconstruction_loss_token_aggregation_mode"] == mode
         assert meta["c_base"]["mode"] == mode and meta["c_base"]["value"] > 0
         assert {"torch", "transformers", "peft", "deepspeed"} <= set(meta["versions"])
@@ -49,7 +50,7 @@ def test_train_mean_and_sum_then_aggregate(cli, tiny_backbone, tmp_path):
             assert f"train/{term}" in tags and f"eval/{term}" in tags
         assert (run_dir / "latents.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    names = {m: json.loads((d / "run_config.json").read_text())["config"]["run_name"] for m, d in runs.items()}
+    names = {m: read_run_record(d)["config"]["run_name"] for m, d in runs.items()}
     assert names["mean"] != names["sum"] and "agg-sum" in names["sum"]
 
     # sum-mode reconstruction is the per-example token sum: larger than the mean by the span length
@@ -75,7 +76,7 @@ def test_user_jsonl_data_and_bad_input(cli, tiny_backbone, tmp_path):
     run_cli("train", "--backbone", tiny_backbone, "--output-dir", run_dir, "--train-data", tmp_path / "train.jsonl",
             "--val-data", tmp_path / "val.jsonl", "--max-steps", "2", "--micro-batch-size", "8", "--log-every", "1",
             "--no-progress-bar", cwd=tmp_path)
-    meta = json.loads((run_dir / "run_config.json").read_text())
+    meta = read_run_record(run_dir)
     assert meta["data"]["source"].startswith("jsonl:") and meta["data"]["val"]["kept"] == 9
 
     bad = tmp_path / "bad.yaml"

@@ -1,7 +1,8 @@
 """`zcvae demo --quick`: the README's main command end to end, at toy size."""
 
-import json
 from pathlib import Path
+
+from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
 
 
 def test_demo_quick_prints_the_pilot_table(cli, tmp_path):
@@ -14,7 +15,7 @@ def test_demo_quick_prints_the_pilot_table(cli, tmp_path):
     assert "tensorboard --logdir" in out
     runs = sorted((tmp_path / "demo" / "runs").iterdir())
     assert len(runs) == 7
-    configs = [json.loads((r / "run_config.json").read_text())["config"] for r in runs]
+    configs = [read_run_record(r)["config"] for r in runs]
     arms = {(c["objective"], c["reconstruction_loss_token_aggregation_mode"]) for c in configs}
     from zcvae.commands.demo import PILOT
 
@@ -37,7 +38,7 @@ def test_demo_backbone_runs_the_entangled_stage_then_the_arms_and_resumes(cli, r
     stage = out / "runs" / "entangled-copy"
     assert is_pretrained(stage)
     runs = sorted(p for p in (out / "runs").iterdir() if p.name != stage.name)
-    configs = [json.loads((r / "run_config.json").read_text()) for r in runs]
+    configs = [read_run_record(r) for r in runs]
     assert sorted(c["config"]["objective"] for c in configs) == sorted(REAL_LM_ARMS)
     assert {Path(c["backbone"]) for c in configs} == {stage.resolve()}
     # the health check passed: the stage taught the backbone the markers

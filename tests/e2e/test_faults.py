@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from cli_in_process import zcvae
 
 from zcvae.commands.cli import main as cli_main
+from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
 
 TRAIN = ["--task", "copy", "--num-train-examples", "32", "--num-val-examples", "4", "--num-eval-decode-examples", "2",
          "--micro-batch-size", "4", "--max-steps", "4", "--log-every", "3", "--warmup-steps", "1", "--no-progress-bar"]
@@ -91,7 +92,7 @@ def test_01_two_writers_started_at_once_one_is_refused_naming_the_holder(tiny_ba
     # one run's records only, in order; its config and checkpoints are the winner's
     steps = [(r["split"], r["step"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
     assert steps == [("train", 3), ("train", 4), ("eval", 4)], line
-    assert json.loads((run_dir / "run_config.json").read_text())["config"]["seed"] == winner
+    assert read_run_record(run_dir)["config"]["seed"] == winner
     no_leftovers(run_dir)
 
 
@@ -330,7 +331,7 @@ def test_04_a_changed_objective_field_is_refused_naming_it_or_allowed_and_record
     rc, out = zcvae(capsys, *resume, "--kl-weight", "2", "--resume-allow-change", "kl_weight")
     assert rc == 0 and "Traceback" not in out, out[-3000:]
     assert "max_steps 4 -> 6: the schedule's fractions" in out and "kl_weight 1.0 -> 2.0 from step 4" in out
-    record = json.loads((run_dir / "run_config.json").read_text())
+    record = read_run_record(run_dir)
     assert record["resume_changes"] == [{"field": "kl_weight", "from": 1.0, "to": 2.0, "step": 4}]
     assert record["config"]["kl_weight"] == 2.0
     # the first record after the resume averages steps 5-6 only, and says so

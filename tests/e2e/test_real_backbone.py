@@ -24,6 +24,7 @@ import torch
 
 from zcvae.backbone.convert import GGUF_RECORD, convert_gguf, file_sha256, packaged_smollm2
 from zcvae.templates import MARKERS
+from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
 
 GGUF = packaged_smollm2()
 pytestmark = [
@@ -81,7 +82,7 @@ def discrete_run(cli, smollm2):
 
 
 def _check_run(run_dir: Path, log: str, smollm2) -> None:
-    meta = json.loads((run_dir / "run_config.json").read_text())
+    meta = read_run_record(run_dir)
     assert Path(meta["backbone"]) == smollm2.dir.resolve()
     conversion = meta["backbone_conversion"]
     assert conversion["file_type"] == "MOSTLY_Q4_1" and conversion["tensor_types"]["Q4_1"] > 0
@@ -265,7 +266,7 @@ def test_gaussian_train_from_the_gguf_file_and_generate(cli, smollm2, capsys):
     run_dir, log = _train(cli, smollm2, "gaussian", GGUF, "--latent-type", "continuous", "--latent-dim", "4", PROCEED)
     assert "up to date" in log and sorted(p.name for p in (smollm2.cache / "gguf").iterdir()) == cached
     _check_run(run_dir, log, smollm2)
-    assert json.loads((run_dir / "run_config.json").read_text())["config"]["backbone"] == str(GGUF)
+    assert read_run_record(run_dir)["config"]["backbone"] == str(GGUF)
 
     capsys.readouterr()
     assert cli_main(["generate", str(run_dir), "--x", X_TEXT, "--sample-prior", "--max-new-tokens", "3", "--device", "cpu"]) == 0

@@ -4,7 +4,9 @@ run ends (local engine, CPU, fp32): same trainable tensors, same logged metrics 
 Two crash points, through the debug hooks in ``zcvae.runs.checkpoint``: right after checkpoint 4 is
 complete (resume from 4), and inside the save of checkpoint 4, after its files are written but before
 ``COMPLETE`` (the half-written ``step_00000004.tmp`` must be skipped: resume from 2, replaying 3-4).
-Then a resume with another aggregation mode is refused by the real CLI.
+The first crash point once more with run_config.json rewritten in the layout written before the config had
+sections (one flat ``config`` mapping): an old run directory resumes bitwise too. Then a resume with another
+aggregation mode is refused by the real CLI.
 """
 
 import json
@@ -40,10 +42,12 @@ def uninterrupted(cli, tiny_backbone, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("hook", "resumed_from"),
-    [("ZCVAE_DEBUG_KILL_AT_STEP", 4), ("ZCVAE_DEBUG_KILL_IN_SAVE_AT_STEP", 2)],
+    ("hook", "resumed_from", "flat_run_config"),
+    [("ZCVAE_DEBUG_KILL_AT_STEP", 4, False), ("ZCVAE_DEBUG_KILL_IN_SAVE_AT_STEP", 2, False),
+     ("ZCVAE_DEBUG_KILL_AT_STEP", 4, True)],
 )
-def test_killed_and_resumed_run_matches_the_uninterrupted_one(cli, tiny_backbone, uninterrupted, tmp_path, hook, resumed_from):
+def test_killed_and_resumed_run_matches_the_uninterrupted_one(cli, tiny_backbone, uninterrupted, tmp_path, hook, resumed_from,
+                                                             flat_run_config):
     run_dir = tmp_path / "killed"
     killed = cli("train", "--backbone", tiny_backbone, "--output-dir", run_dir, *TRAIN, cwd=tmp_path, check=False, env={**ONE_THREAD, hook: "4"})
     assert killed.returncode == -9, killed.stderr[-3000:]
@@ -52,6 +56,11 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_one(cli, tiny_backbone
         assert (checkpoints / "step_00000004.tmp").is_dir() and not (checkpoints / "step_00000004").exists()
     else:
         assert (checkpoints / "step_00000004" / "COMPLETE").is_file()
+    if flat_run_config:  # as an old run directory holds it: one flat mapping, no sections
+        record = json.loads((run_dir / "run_config.json").read_text())
+        assert "optimization" in record["config"]
+        record["config"] = {k: v for section in record["config"].values() for k, v in section.items()}
+        (run_dir / "run_config.json").write_text(json.dumps(record))
 
     resumed = cli("train", "--backbone", tiny_backbone, "--output-dir", run_dir, *TRAIN, "--resume", "auto", cwd=tmp_path, env=ONE_THREAD)
     assert f"[resume] from step {resumed_from}" in resumed.stdout + resumed.stderr

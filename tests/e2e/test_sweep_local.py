@@ -4,6 +4,8 @@ and `zcvae train` records its CPU set-up, objective and kl-weight-scale factor."
 import json
 import shutil
 
+from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
+
 TINY = {"task": "copy", "max_steps": 2, "micro_batch_size": 8, "num_train_examples": 32, "num_val_examples": 8,
         "num_eval_decode_examples": 2, "log_every": 1, "warmup_steps": 1}
 
@@ -14,7 +16,7 @@ def test_train_records_flushing_threads_objective_and_kl_factor(cli, tiny_backbo
     cli("train", "--backbone", tiny_backbone, "--output-dir", run_dir, *args, "--no-progress-bar",
         "--objective", "raw", "--reconstruction-loss-token-aggregation-mode", "sum", "--kl-weight-scale", "tokens",
         cwd=tmp_path)
-    meta = json.loads((run_dir / "run_config.json").read_text())
+    meta = read_run_record(run_dir)
     # measured inside the trainer's own process: a subnormal times 1 came out 0
     assert meta["cpu"]["flush_denormals"] is True and meta["cpu"]["num_threads"] >= 1
     assert meta["objective"] == "raw" == meta["config"]["objective"]
@@ -43,7 +45,7 @@ def test_local_sweep_runs_resumes_and_prints_seed_groups(cli, tiny_backbone, tmp
     printed = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert (out / "table.md").read_text().splitlines() == printed
     for name in runs:
-        meta = json.loads((out / name / "run_config.json").read_text())
+        meta = read_run_record(out / name)
         assert meta["config"]["run_name"] == name and meta["cpu"]["num_threads"] == 1  # --jobs: one thread each
 
     kept = out / runs[0] / "metrics.jsonl"

@@ -13,6 +13,7 @@ import pytest
 
 from zcvae.config import DEFAULT_OBJECTIVE
 from zcvae.data import read_jsonl
+from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +38,7 @@ def test_default_trains_on_the_ambiguous_family_and_writes_a_verdict_with_its_re
                "--output-dir", run_dir, "--max-steps", "3", "--micro-batch-size", "8", "--log-every", "3",
                "--num-eval-decode-examples", "3", "--no-progress-bar", cwd=tmp_path)
 
-    meta = json.loads((run_dir / "run_config.json").read_text())
+    meta = read_run_record(run_dir)
     assert meta["objective"] == DEFAULT_OBJECTIVE and meta["config"]["num_latents"] == 3
     assert meta["data"]["val"]["kept"] == len(read_jsonl(val))
     final = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]

@@ -57,9 +57,11 @@ def test_a_seventh_term_reaches_flags_names_logs_and_aggregate(tiny_backbone, tm
         "--num-eval-decode-examples", "2", "--no-progress-bar", "--kl-weight", "0",
         "--reconstruction-weight", "1", "--dummy-reconstruction-weight", "0.5", cwd=tmp_path,
     )
+    # run_config.json keeps the config in sections: the new weight sits in the objective section
     config = json.loads((run_dir / "run_config.json").read_text())["config"]
-    assert config["dummy_reconstruction_weight"] == 0.5 and config["objective"] == "custom"
-    assert "dummy-0.5" in config["run_name"].split("_")
+    objective = config["objective"]
+    assert objective["dummy_reconstruction_weight"] == 0.5 and objective["objective"] == "custom"
+    assert "dummy-0.5" in config["run"]["run_name"].split("_")
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"]

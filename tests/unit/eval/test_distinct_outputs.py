@@ -10,6 +10,7 @@ import pytest
 
 from test_evaluation import _CountingModule, _engine_view, one_thread, setup  # noqa: F401 - the tiny-model fixtures
 
+from zcvae.config import TrainConfig
 from zcvae.eval.evaluation import evaluate, summarize
 from zcvae.eval.metrics import distinct_outputs
 from zcvae.eval.records import DecodeRecord, ExampleRecord
@@ -42,8 +43,8 @@ class _Tok:
 
 
 def test_summarize_without_a_parser_reports_distinct_outputs_and_argmax_exact_match():
-    cfg = SimpleNamespace(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
-                          router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
+    cfg = TrainConfig.from_flat(latent_type="discrete", num_latents=2, seed=0, posterior_entropy_weight=0.0, router_support_weight=0.0,
+                                router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0, posterior_variance_weight=0.0)
     val = [SimpleNamespace(id=f"e{i}", x_ids=(i,), y_ids=(1, 3), strategy=None) for i in range(3)]
     terms = {"loss": 1.0, "kl": 0.1, "num_tokens": 2.0, "num_tokens_min": 2.0, "num_tokens_max": 2.0, "valid": 1.0}
     records = [ExampleRecord(index=i, strategy=None, terms=terms, cond_nll_N=[1.0, 1.0], ref_nll_N=[1.0, 1.0],

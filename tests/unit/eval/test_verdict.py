@@ -45,9 +45,9 @@ def _run_metrics(rows, *, num_latents, labelled=True, outputs=None, num_decoded=
     ``outputs(i, k)``: the token ids decoded for example i under latent k (default: the latent's own
     strategy, so decoding differs across z); the first ``num_decoded`` examples are decoded with every z.
     """
-    cfg = SimpleNamespace(latent_type="discrete", num_latents=num_latents, seed=0, posterior_entropy_weight=0.0,
-                          router_support_weight=0.0, router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0,
-                          posterior_variance_weight=0.0)
+    cfg = TrainConfig.from_flat(latent_type="discrete", num_latents=num_latents, seed=0, posterior_entropy_weight=0.0,
+                                router_support_weight=0.0, router_marginal_kl_weight=0.0, inter_latent_divergence_weight=0.0,
+                                posterior_variance_weight=0.0)
     val, records = [], []
     for i, (strategy, q) in enumerate(rows):
         gold = strategy if labelled else None

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from zcvae.config import TrainConfig
 from zcvae.core.losses import base_loss, gather_span, surprisal_share_weights, token_nll
 from zcvae.reference.c_base import CBase, c_base_from_store, c_base_from_sum_count, c_base_sum_count, resolve_c_base
 from zcvae.reference.provider import ReferenceProvider
@@ -408,8 +409,8 @@ def test_provider_online_and_precomputed_agree(tmp_path, llama):
     model = SimpleNamespace(tokens=TOKENS, tokenizer={f"t{i}": i for i in range(VOCAB)})
 
     def cfg(policy, scale=None, mode="sum"):
-        return SimpleNamespace(reference_policy=policy, reference_cache_dir=str(tmp_path / "cache"), micro_batch_size=3,
-                               reconstruction_loss_token_aggregation_mode=mode, zfree_reference_scale=scale, precision="fp32", seed=0, slot_tokens=1)
+        return TrainConfig.from_flat(reference_policy=policy, reference_cache_dir=str(tmp_path / "cache"), micro_batch_size=3,
+                                     reconstruction_loss_token_aggregation_mode=mode, zfree_reference_scale=scale, precision="fp32", seed=0)
 
     def build(c, passes=2.0):
         return ReferenceProvider.build(c, engine=engine, model=model, backbone=tmp_path / "backbone", train=train, val=val, passes=passes, log=lambda *_: None)
