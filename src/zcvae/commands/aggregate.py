@@ -1,6 +1,6 @@
 """`zcvae aggregate RUN_DIR...`: one table row per run (or per group of seeds) from the run directories.
 
-Each run directory holds ``run_config.json`` (``{"config": {...flat resolved config...}, "versions":
+Each run directory holds ``run_config.json`` (``{"config": {...resolved config, in sections or flat...}, "versions":
 ..., "git_revision": ...}``) and ``metrics.jsonl`` (one flat JSON object per line with ``step``,
 ``split`` and metric keys). A row shows what distinguishes the objective -- latent type, token
 aggregation mode (every table shows it: mean and sum answer different questions), the nonzero
