@@ -594,10 +594,16 @@ def check_types(cls, values: dict[str, Any], *, source: str = "config") -> None:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON config file into a dict; keys may use dashes or underscores."""
+    """Read a YAML or JSON config file into a dict; keys may use dashes or underscores. ``path`` may also
+    name a preset that ships with the package (``late-decisions``, :mod:`zcvae.presets`); a file of
+    that name in the working directory wins."""
+    from zcvae.presets import preset_names, preset_path
+
     path = Path(path)
+    if not path.is_file() and preset_path(str(path)) is not None:
+        path = preset_path(str(path))
     if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
+        raise ValueError(f"config file {path} does not exist (nor is it a preset: {', '.join(preset_names())})")
     text = path.read_text()
     try:
         if path.suffix in (".yaml", ".yml"):

@@ -161,3 +161,26 @@ def test_a_flat_run_config_from_before_the_sections_still_loads(tmp_path):
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "run_config.json").write_text(json.dumps({**record, "config": old.to_sections()}))
     assert read_run_record(tmp_path / "old")["config"] == read_run_record(tmp_path / "new")["config"] == record["config"]
+
+
+def test_a_named_preset_is_a_config_file_that_ships_with_the_package(tmp_path, monkeypatch):
+    """`--config late-decisions` reads the packaged preset from any directory; flags still win over it,
+    a file of that name in the working directory wins over the preset, and an unknown name says which
+    presets exist. launch/configs/ links to the same file, so there is one copy of the recipe."""
+    from pathlib import Path
+
+    from zcvae.presets import LATE_DECISIONS, preset_names, preset_path
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _parse(["--config", LATE_DECISIONS, "--num-latents", "3", "--kl-delay-fraction", "0.5"])
+    assert (cfg.objective.objective, cfg.objective.reconstruction_loss_token_aggregation_mode, cfg.model.posterior_pooling,
+            cfg.objective.router_support_weight) == ("raw+dist", "sum", "mean", 1.0)
+    assert (cfg.model.num_latents, cfg.objective.kl_delay_fraction) == (3, 0.5)
+    assert LATE_DECISIONS in preset_names() and preset_path("nope") is None
+    (tmp_path / LATE_DECISIONS).write_text('{"seed": 5}')  # no suffix: read as JSON
+    assert _parse(["--config", LATE_DECISIONS]).objective.reconstruction_loss_token_aggregation_mode == "mean"
+    with pytest.raises(ValueError, match="nope does not exist .*late-decisions"):
+        _parse(["--config", "nope"])
+    repo = Path(__file__).resolve().parents[2]
+    assert (repo / "launch" / "configs" / "late-decisions.yaml").resolve() == preset_path(LATE_DECISIONS).resolve()
+    assert '"zcvae.presets" = ["*.yaml"]' in (repo / "pyproject.toml").read_text()  # shipped in a wheel too

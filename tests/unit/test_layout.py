@@ -10,7 +10,7 @@ import zcvae
 
 # From the bottom (README, Layout). Units on one level do not import each other.
 LAYERS = (
-    ("strict", "_version"),
+    ("strict", "_version", "presets"),  # presets: package data (YAML files) and the names that find them
     ("core", "distributed", "templates"),
     ("runs",),  # run names read the reconstruction-term registry (core/terms.py)
     ("data",),

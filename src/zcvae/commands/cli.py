@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="Train a CVAE run.", description="Train a CVAE run. Every flag is a config field.")
-    p.add_argument("--config", help="YAML or JSON file of config fields (flags win over it).")
+    p.add_argument("--config", help="YAML or JSON file of config fields, or a preset's name (late-decisions: strategies that part late in y); flags win over it.")
     # an action on the run directory, not a config field: it is not recorded and does not name the run
     p.add_argument("--overwrite", action="store_true", help="Delete an earlier run in --output-dir (after saying so) instead of refusing it; see --resume to continue it.")
     p.add_argument("--resume-allow-change", action="append", metavar="FIELD",

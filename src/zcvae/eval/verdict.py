@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from zcvae.config import DEFAULT_OBJECTIVE, RECONSTRUCTION_WEIGHT_FIELDS
+from zcvae.presets import LATE_DECISIONS
 from zcvae.runs.rundir import VERDICT, atomic_write_json, read_json
 
 __all__ = [
@@ -75,7 +76,7 @@ PURE_HOMOGENEITY = 0.95
 USED_SHARE = 0.01
 
 # What the verdict suggests for strategies that part late in y (README, "Late decisions").
-LATE_DECISION_RECIPE = "launch/configs/late-decisions.yaml"
+LATE_DECISION_RECIPE = LATE_DECISIONS  # a named preset (zcvae.presets): --config late-decisions
 DISTINCT_OUTPUTS_KEY = "control/distinct_outputs"
 _GOLD_KEYS = ("nmi", "nmi_reachable", "nmi_ratio", "homogeneity", "completeness", "matching_accuracy",
               "control/matching_accuracy")
