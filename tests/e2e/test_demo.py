@@ -5,21 +5,28 @@ from pathlib import Path
 from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
 
 
-def test_demo_quick_prints_the_pilot_table(cli, tmp_path):
+def test_demo_quick_prints_the_three_arm_table(cli, tmp_path):
+    """The tiny demo: sort3's backbone, then raw mean, the default and the late-decisions preset, each
+    run exactly as its arm says (the preset's fields from the packaged preset file) and tabled."""
+    from zcvae.commands.demo import DEMO_ARMS, DEMO_NUM_LATENTS, DEMO_TASK
+    from zcvae.config import load_config_file
+
     proc = cli("demo", "--quick", "--output-dir", tmp_path / "demo", cwd=tmp_path)
     out = proc.stdout
     table = [line for line in out.splitlines() if line.startswith("|") and "---" not in line]
-    assert len(table) == 1 + 7, out[-3000:]  # header + raw mean, dist/tokcc/hybrid mean and sum
-    body = "\n".join(table[1:])
-    assert body.count("| sum ") + body.count("| sum|") >= 2 or body.count("sum") >= 2
+    assert len(table) == 1 + len(DEMO_ARMS), out[-3000:]
     assert "tensorboard --logdir" in out
     runs = sorted((tmp_path / "demo" / "runs").iterdir())
-    assert len(runs) == 7
+    assert len(runs) == len(DEMO_ARMS)
     configs = [read_run_record(r)["config"] for r in runs]
-    arms = {(c["objective"], c["reconstruction_loss_token_aggregation_mode"]) for c in configs}
-    from zcvae.commands.demo import PILOT
-
-    assert arms == set(PILOT) and ("raw", "mean") in arms and len({o for o, _ in arms}) == 4
+    assert {c["task"] for c in configs} == {DEMO_TASK} and {c["num_latents"] for c in configs} == {DEMO_NUM_LATENTS}
+    by_objective_mode = {(c["objective"], c["reconstruction_loss_token_aggregation_mode"]): c for c in configs}
+    assert set(by_objective_mode) == {("raw", "mean"), ("raw+dist", "mean"), ("raw+dist", "sum")}
+    late = by_objective_mode[("raw+dist", "sum")]
+    assert all(late[k] == v for k, v in load_config_file("late-decisions").items())
+    default = by_objective_mode[("raw+dist", "mean")]
+    assert (default["posterior_pooling"], default["kl_delay_fraction"], default["router_support_weight"]) == ("last", 0.3, 0.0)
+    assert all((r / "verdict.json").is_file() for r in runs)
     assert (tmp_path / "demo" / "table.md").read_text().strip() == "\n".join(
         line for line in out.splitlines() if line.startswith("|")
     ).strip()
