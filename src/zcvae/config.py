@@ -99,6 +99,7 @@ class ObjectiveSection(StrictDataclass):
     kl_cycles: int = _f(4, "Number of cycles of the cyclical schedule.")
     posterior_entropy_weight: float = _f(0.0, "Weight of the mean posterior entropy H(q) (positive sharpens q).")
     router_support_weight: float = _f(0.0, "Weight of -log router support = -H(mean q) (positive spreads usage).")
+    router_support_schedule: str = _f("constant", "When router support applies: constant (every step) or delay (only while the KL weight is 0, the KL delay, so that once the KL prices latents a spare one can empty).", choices=("constant", "delay"))
     router_marginal_kl_weight: float = _f(0.0, "Weight of KL(mean q || uniform) over the global batch.")
     inter_latent_divergence_weight: float = _f(0.0, "Weight of -inter_latent_divergence (positive pushes latents apart).")
     posterior_variance_weight: float = _f(0.0, "Gaussian: weight of the posterior variance term.")

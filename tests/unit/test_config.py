@@ -154,13 +154,16 @@ def test_a_flat_run_config_from_before_the_sections_still_loads(tmp_path):
     assert "max_steps" in record["config"] and "optimization" not in record["config"]  # really the old layout
     old = TrainConfig.from_dict(record["config"])
     assert (old.data.task, old.optimization.max_steps, old.objective.objective) == ("copy", 2, record["config"]["objective"])
-    assert old.to_dict() == record["config"]
+    # every recorded field as recorded; a field added since (ADDED_SINCE) at its default
+    ADDED_SINCE = {"router_support_schedule": "constant"}
+    assert old.to_dict() == {**ADDED_SINCE, **record["config"]}
     # a run directory of either layout reads back as the same flat config
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "run_config.json").write_text(json.dumps(record))
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "run_config.json").write_text(json.dumps({**record, "config": old.to_sections()}))
-    assert read_run_record(tmp_path / "old")["config"] == read_run_record(tmp_path / "new")["config"] == record["config"]
+    assert read_run_record(tmp_path / "old")["config"] == record["config"]
+    assert read_run_record(tmp_path / "new")["config"] == {**ADDED_SINCE, **record["config"]}
 
 
 def test_a_named_preset_is_a_config_file_that_ships_with_the_package(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ Shape legend: B examples, K latent branches (Gaussian: samples), N supervised po
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,15 @@ class AuxiliaryWeights:
             inter_latent_divergence=cfg.objective.inter_latent_divergence_weight,
             posterior_variance=cfg.objective.posterior_variance_weight,
         )
+
+
+def aux_at(aux: AuxiliaryWeights, cfg, *, beta: float) -> AuxiliaryWeights:
+    """The auxiliary weights of one step: router support off once the KL weight is on under
+    ``router_support_schedule delay`` (support keeps every latent in use while the split forms; after
+    that the KL alone decides whether a spare latent stays)."""
+    if cfg.objective.router_support_schedule == "delay" and beta > 0:
+        return dataclasses.replace(aux, router_support=0.0)
+    return aux
 
 
 def per_example_objective(

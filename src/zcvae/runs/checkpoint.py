@@ -104,6 +104,7 @@ OBJECTIVE_FIELDS = (
     "kl_cycles",
     "posterior_entropy_weight",
     "router_support_weight",
+    "router_support_schedule",
     "router_marginal_kl_weight",
     "inter_latent_divergence_weight",
     "posterior_variance_weight",

@@ -35,7 +35,7 @@ from zcvae.train.faults import fault_injection_from_env
 from zcvae.train.grad_probe import PROBE_SPLIT, GradientProbe
 from zcvae.loop import LoopSettings, MetricWindow, MicroLoss, RunLogger, run_loop  # noqa: F401 - MetricWindow, RunLogger: their home is zcvae.loop
 from zcvae.loop.guards import StopSignals
-from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
+from zcvae.core.objective import AuxiliaryWeights, aux_at, marginal_router_terms, per_example_objective
 from zcvae.templates import collate, encode_examples
 
 
@@ -379,11 +379,12 @@ class CVAEObjective:
     def __init__(self, cfg: TrainConfig, *, engine, model, train, reference, recon_cfg, aux, probe, logger):
         self.cfg, self.engine, self.model, self.train = cfg, engine, model, train
         self.reference, self.recon_cfg, self.aux, self.probe, self.logger = reference, recon_cfg, aux, probe, logger
-        self.beta, self.probing = 0.0, False
+        self.beta, self.probing, self.step_aux = 0.0, False, aux
 
     def begin_step(self, step: int) -> None:
         self.probing = self.probe is not None and (step + 1) % self.cfg.run.grad_probe_every == 0
         self.beta = kl_weight_at(self.cfg, step)
+        self.step_aux = aux_at(self.aux, self.cfg, beta=self.beta)
 
     def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list:
         return [collate([self.train[i] for i in mb], self.model.tokens, num_z_slots=self.cfg.slot_tokens).to(self.engine.device) for mb in micro]
@@ -398,13 +399,13 @@ class CVAEObjective:
         ref_nll_BN = self.reference.ref_nll(engine, batch)  # before the training forward (ZeRO-3 ordering)
         out = engine.module(batch, mode="train")
         terms = per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=self.reference.c_base.value, recon_config=self.recon_cfg,
-                                      kl_weight=self.beta, aux=self.aux, mean_num_tokens=mean_num_tokens)
+                                      kl_weight=self.beta, aux=self.step_aux, mean_num_tokens=mean_num_tokens)
         loss = terms["loss"].sum() / global_count
         if out.posterior is not None:
             local_q_K = (out.posterior * terms["valid"][:, None]).sum(0)
             # this global micro-batch's own count, not the step's: else the marginal sums to 1/accumulation
             global_qn = engine.all_reduce(torch.cat([local_q_K.detach(), terms["valid"].detach().float().sum()[None]]))
-            marginal, router = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=global_qn[:-1], global_count=global_qn[-1], aux=self.aux)
+            marginal, router = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=global_qn[:-1], global_count=global_qn[-1], aux=self.step_aux)
             loss = loss + marginal / num_micro
             for name, value in router.items():
                 window.add_scalar(name, value)
