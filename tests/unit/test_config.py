@@ -187,3 +187,21 @@ def test_a_named_preset_is_a_config_file_that_ships_with_the_package(tmp_path, m
     repo = Path(__file__).resolve().parents[2]
     assert (repo / "launch" / "configs" / "late-decisions.yaml").resolve() == preset_path(LATE_DECISIONS).resolve()
     assert '"zcvae.presets" = ["*.yaml"]' in (repo / "pyproject.toml").read_text()  # shipped in a wheel too
+
+
+def test_the_late_decisions_preset_round_trips_through_the_run_name_and_run_config(tmp_path):
+    """A run started with --config late-decisions names every field the preset sets, the name parses back
+    to them, and run_config.json's sections read back (flat) to the same values."""
+    from zcvae.config import load_config_file, parse_train_run_name, train_run_name
+    from zcvae.presets import LATE_DECISIONS
+    from zcvae.runs.rundir import read_run_record
+
+    preset = load_config_file(LATE_DECISIONS)
+    cfg = _parse(["--config", LATE_DECISIONS, "--num-latents", "3", "--router-support-schedule", "delay"])
+    name = train_run_name(cfg.to_dict())
+    parsed = parse_train_run_name(name)
+    assert {k: parsed[k] for k in preset} == preset, name
+    assert (parsed["num_latents"], parsed["router_support_schedule"]) == (3, "delay")
+    (tmp_path / "run_config.json").write_text(json.dumps({"config": cfg.to_sections()}))
+    flat = read_run_record(tmp_path)["config"]
+    assert {k: flat[k] for k in preset} == preset and flat["router_support_schedule"] == "delay"
