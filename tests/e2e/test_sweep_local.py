@@ -57,3 +57,25 @@ def test_local_sweep_runs_resumes_and_prints_seed_groups(cli, tiny_backbone, tmp
     assert (out / runs[1] / "run_config.json").is_file()
     rows = [line for line in proc.stdout.splitlines() if line.startswith("|") and "---" not in line]
     assert len(rows) == 2 and "| 2 | 0,1 |" in rows[1]
+
+
+def test_a_changed_base_does_not_pass_off_the_finished_runs_as_its_own(cli, tiny_backbone, tmp_path):
+    """Run names list only what a family varies: after its base changes (here beta), the same names point
+    at the finished runs of the old family. The sweep must not skip them as done: it says which field
+    differs, exits non-zero, leaves them untouched and keeps them out of the table."""
+    family = _family(tmp_path / "fam.yaml", tiny_backbone)
+    out = tmp_path / "sweep"
+    cli("sweep", family, "--local", "--output-dir", out, "--jobs", "2", cwd=tmp_path)
+    names = sorted(p.name for p in out.iterdir() if p.is_dir())
+    before = {name: (out / name / "metrics.jsonl").read_text() for name in names}
+    spec = json.loads(family.read_text())
+    spec["base"]["kl_weight"] = 2.0
+    family.write_text(json.dumps(spec))
+    dry = cli("sweep", family, "--local", "--output-dir", out, "--dry-run", cwd=tmp_path)
+    assert dry.stdout.count("other run") == 2 and "kl_weight = 1.0" in dry.stdout, dry.stdout
+    proc = cli("sweep", family, "--local", "--output-dir", out, cwd=tmp_path, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "finished, skipped" not in proc.stdout
+    assert "holds a finished run with kl_weight = 1.0, but the family asks for 2.0" in proc.stderr, proc.stderr
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("|")]  # no table of the old runs
+    assert {name: (out / name / "metrics.jsonl").read_text() for name in names} == before

@@ -29,7 +29,7 @@ from zcvae.sweep.family import (
     stage_status,
     stages_of,
 )
-from zcvae.sweep.local import run_finished, run_local
+from zcvae.sweep.local import finished_run_mismatch, run_finished, run_local
 from zcvae.sweep.slurm import DEFAULT_TEMPLATE, MANIFEST, SUBMIT_SCRIPT, write_scripts
 
 
@@ -65,13 +65,19 @@ def local_main(argv: Sequence[str] | None = None) -> int:
             for directory, stage in stages_of(runs).items():
                 print(f"{stage_status(stage):8}  entangled stage {directory}")
             for run in runs:
-                print(f"{'finished' if run_finished(run) else 'to run  '}  {run.name}")
+                if not run_finished(run):
+                    print(f"to run    {run.name}")
+                elif (why := finished_run_mismatch(run)) is not None:
+                    print(f"other run {run.name}: {why}")
+                else:
+                    print(f"finished  {run.name}")
             return 0
         _, failed = run_local(runs, jobs=args.jobs)
     except ValueError as err:
         print(f"zcvae sweep: error: {err}", file=sys.stderr)
         return 2
-    table = local_table(runs)
+    failed_names = {run.name for run, _ in failed}
+    table = local_table([run for run in runs if run.name not in failed_names])
     if table:
         print()
         print(table, end="")

@@ -41,6 +41,39 @@ def run_finished(run: Run) -> bool:
     return final_eval_metrics(run_dir)[0] == max_steps
 
 
+# Fields that name a file: compared as the files they resolve to (a family may give them relative).
+_PATH_FIELDS = ("backbone", "train_data", "val_data", "deepspeed_config")
+
+
+def finished_run_mismatch(run: Run) -> str | None:
+    """Why the finished run in ``run``'s directory is not the run the family asks for, or None.
+
+    Run names list only the fields a family varies, so a family whose ``base`` changed (another task, K
+    or budget under the same output directory) plans runs with the names of the finished ones. Skipping
+    them would table the old runs as the new family's. Every field the family sets for the run (with the
+    objective preset's weights) is compared with the run's ``run_config.json``; where and how a run logs
+    (the fields run names leave out) are not compared."""
+    from zcvae.config import DEFAULT_OBJECTIVE, TrainConfig, expand_objective
+    from zcvae.runs.naming import DEFAULT_EXCLUDE
+    from zcvae.runs.rundir import read_run_record
+
+    planned = TrainConfig.from_dict(dict(run.params), source="family", default_objective=DEFAULT_OBJECTIVE).to_dict()
+    given = set(expand_objective(dict(run.params), default=DEFAULT_OBJECTIVE)) - set(DEFAULT_EXCLUDE)
+    recorded = read_run_record(run.params["output_dir"])["config"]
+    for name in sorted(given):
+        if name not in recorded or name not in planned:
+            continue
+        want, have = planned[name], recorded[name]
+        if name in _PATH_FIELDS and want is not None and have is not None:
+            same = Path(want).resolve() == Path(have).resolve()
+        else:
+            same = want == have
+        if not same:
+            return (f"{run.params['output_dir']} holds a finished run with {name} = {have!r}, but the family asks for "
+                    f"{want!r} (run names list only what a family varies); use another --output-dir, or move that run away")
+    return None
+
+
 def prebuild_backbones(runs: Sequence[Run], log: Callable[[str], None]) -> None:
     """Before any run starts, build what the runs' backbones need: the family's entangled stages (one per
     task, reused when finished with the same settings; each a ``zcvae pretrain`` process, as its SLURM job
@@ -82,14 +115,17 @@ def run_local(
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     todo = []
+    failed: list[tuple[Run, str]] = []
     for run in runs:
-        if run_finished(run):
-            log(f"[sweep] {run.name}: finished, skipped")
-        else:
+        if not run_finished(run):
             todo.append(run)
+        elif (why := finished_run_mismatch(run)) is not None:
+            log(f"[sweep] {run.name}: not run: {why}")
+            failed.append((run, why))  # the finished run stays as it is: nothing written is overwritten
+        else:
+            log(f"[sweep] {run.name}: finished, skipped")
     prebuild_backbones(todo, log)
     done: list[Run] = []
-    failed: list[tuple[Run, str]] = []
     pending = list(todo)
     active: list[tuple[Run, subprocess.Popen, IO | None]] = []
     preempted: list[str] = []
