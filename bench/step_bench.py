@@ -63,7 +63,6 @@ from zcvae.engines import EngineConfig, build_engine  # noqa: E402
 from zcvae.core.losses import token_nll  # noqa: E402
 from zcvae.model.config import ModelConfig, default_lora_targets  # noqa: E402
 from zcvae.model.cvae import ZCVAE  # noqa: E402
-from zcvae.core.objective import AuxiliaryWeights  # noqa: E402
 from zcvae.loop import MetricWindow  # noqa: E402
 from zcvae.reference.c_base import CBase  # noqa: E402
 from zcvae.reference.provider import ReferenceProvider  # noqa: E402
@@ -220,7 +219,6 @@ class Bench:
         # beta 1 from the first step, as the cost of a step past the KL delay
         self.train_cfg = TrainConfig.from_flat(kl_schedule="constant")
         self.recon_cfg = self.train_cfg.reconstruction_config()
-        self.aux = AuxiliaryWeights.from_train_config(self.train_cfg)
         self.models: dict[tuple, tuple[ZCVAE, object]] = {}
         self.batches: dict[tuple, object] = {}
         self.stores: dict[tuple, tuple[ReferenceStore, float]] = {}
@@ -316,7 +314,7 @@ class Bench:
                                       store=None if online else store,
                                       c_base=CBase(value=c_base, mode=self.recon_cfg.token_aggregation_mode, fingerprint="bench", source="user"))
         objective = CVAEObjective(self.train_cfg, engine=engine, model=model, train=[], reference=reference,
-                                  recon_cfg=self.recon_cfg, aux=self.aux, probe=None, logger=None)
+                                  recon_cfg=self.recon_cfg, probe=None, logger=None)
         objective.begin_step(0)  # beta = kl_weight (constant schedule)
         count = torch.tensor(float(len(batch)), device=batch.input_ids.device)
         tokens = batch.num_supervised.sum().to(device=count.device, dtype=count.dtype)

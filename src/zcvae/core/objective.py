@@ -12,7 +12,6 @@ Shape legend: B examples, K latent branches (Gaussian: samples), N supervised po
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,23 +31,21 @@ class AuxiliaryWeights:
     posterior_variance: float = 0.0  # + w * posterior variance term (Gaussian)
 
     @classmethod
-    def from_train_config(cls, cfg) -> "AuxiliaryWeights":
+    def from_train_config(cls, cfg, *, beta: float | None = None) -> "AuxiliaryWeights":
+        """The weights at a step whose KL weight is ``beta`` (None: the final steps', ``effective_kl_weight``,
+        which evaluation reports against). ``router_support_schedule delay`` turns router support off once
+        beta is on: support keeps every latent in use while the split forms; after that the KL alone
+        decides whether a spare latent stays."""
+        o = cfg.objective
+        beta = cfg.effective_kl_weight if beta is None else beta
+        support_on = o.router_support_schedule == "constant" or beta == 0
         return cls(
-            posterior_entropy=cfg.objective.posterior_entropy_weight,
-            router_support=cfg.objective.router_support_weight,
-            router_marginal_kl=cfg.objective.router_marginal_kl_weight,
-            inter_latent_divergence=cfg.objective.inter_latent_divergence_weight,
-            posterior_variance=cfg.objective.posterior_variance_weight,
+            posterior_entropy=o.posterior_entropy_weight,
+            router_support=o.router_support_weight if support_on else 0.0,
+            router_marginal_kl=o.router_marginal_kl_weight,
+            inter_latent_divergence=o.inter_latent_divergence_weight,
+            posterior_variance=o.posterior_variance_weight,
         )
-
-
-def aux_at(aux: AuxiliaryWeights, cfg, *, beta: float) -> AuxiliaryWeights:
-    """The auxiliary weights of one step: router support off once the KL weight is on under
-    ``router_support_schedule delay`` (support keeps every latent in use while the split forms; after
-    that the KL alone decides whether a spare latent stays)."""
-    if cfg.objective.router_support_schedule == "delay" and beta > 0:
-        return dataclasses.replace(aux, router_support=0.0)
-    return aux
 
 
 def per_example_objective(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zcvae.core.objective import AuxiliaryWeights, aux_at, per_example_objective
+from zcvae.core.objective import AuxiliaryWeights, per_example_objective
 from zcvae.eval.records import DecodeRecord, ExampleRecord
 from zcvae.model.decoding import greedy_decode
 from zcvae.templates import EncodedExample, TemplateLayout, TemplateTokens, collate
@@ -52,7 +52,7 @@ def example_pass(*, engine, model, cfg, val, reference, indices, keep) -> list[E
     """Losses, router outputs and span NLLs of this rank's examples (padding rows dropped)."""
 
     recon_cfg = cfg.reconstruction_config()
-    aux = aux_at(AuxiliaryWeights.from_train_config(cfg), cfg, beta=cfg.effective_kl_weight)  # the weights of the final steps
+    aux = AuxiliaryWeights.from_train_config(cfg)  # the weights of the final steps
     c_base = reference.c_base.value
     # the `token` mode's n_bar over the whole validation set (every rank holds all of val), so that the
     # example mean of the terms over the set is its global token mean, whatever the sharding

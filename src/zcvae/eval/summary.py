@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS
-from zcvae.core.objective import AuxiliaryWeights, aux_at, marginal_router_terms
+from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms
 from zcvae.eval.metrics import (
     ACTIVE_UNITS_DELTA,
     controllability_metrics,
@@ -143,7 +143,7 @@ def summarize_discrete(records: list[ExampleRecord], labels: Sequence[Any], *, c
     sum_q_K = torch.as_tensor(q_NK.sum(0))
     router_term, _ = marginal_router_terms(local_sum_q_K=sum_q_K, global_sum_q_K=sum_q_K,
                                            global_count=torch.tensor(float(len(q_NK))),
-                                           aux=aux_at(AuxiliaryWeights.from_train_config(cfg), cfg, beta=cfg.effective_kl_weight))
+                                           aux=AuxiliaryWeights.from_train_config(cfg))
     details: dict[str, Any] = {"latent_usage": lat["latent_usage"]}
     if "confusion" in lat:
         details.update(confusion=lat["confusion"], confusion_latent_labels=lat["confusion_latent_labels"],

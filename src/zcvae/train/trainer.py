@@ -35,7 +35,7 @@ from zcvae.train.faults import fault_injection_from_env
 from zcvae.train.grad_probe import PROBE_SPLIT, GradientProbe
 from zcvae.loop import LoopSettings, MetricWindow, MicroLoss, RunLogger, run_loop  # noqa: F401 - MetricWindow, RunLogger: their home is zcvae.loop
 from zcvae.loop.guards import StopSignals
-from zcvae.core.objective import AuxiliaryWeights, aux_at, marginal_router_terms, per_example_objective
+from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.templates import collate, encode_examples
 
 
@@ -324,7 +324,6 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
 
     run_dir = Path(cfg.run.output_dir)
     recon_cfg = cfg.reconstruction_config()
-    aux = AuxiliaryWeights.from_train_config(cfg)
     logger = RunLogger(run_dir, enabled=is_main)
     say(f"[run] {cfg.run.run_name}: {len(data.train_enc)} train / {len(data.val_enc)} val examples, world {world_size}, "
         f"engine {cfg.engine.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
@@ -337,7 +336,7 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
 
     # the posterior gradient of the dilution argument (docs/objective.md#dilution), every grad_probe_every steps (zcvae.train.grad_probe: reads the same forward)
     probe = GradientProbe.for_model(model, task=data.splits.task, tokenizer=model.tokenizer) if cfg.run.grad_probe_every else None
-    objective = CVAEObjective(cfg, engine=engine, model=model, train=data.train_enc, reference=reference, recon_cfg=recon_cfg, aux=aux,
+    objective = CVAEObjective(cfg, engine=engine, model=model, train=data.train_enc, reference=reference, recon_cfg=recon_cfg,
                               probe=probe, logger=logger)
     final = run_loop(
         engine=engine, objective=objective, settings=loop_settings(cfg), num_examples=len(data.train_enc),
@@ -376,15 +375,16 @@ class CVAEObjective:
     model's forward, ``per_example_objective`` over the global count, the marginal/router terms (their
     own all-reduce per global micro-batch) and the gradient probe."""
 
-    def __init__(self, cfg: TrainConfig, *, engine, model, train, reference, recon_cfg, aux, probe, logger):
+    def __init__(self, cfg: TrainConfig, *, engine, model, train, reference, recon_cfg, probe, logger):
         self.cfg, self.engine, self.model, self.train = cfg, engine, model, train
-        self.reference, self.recon_cfg, self.aux, self.probe, self.logger = reference, recon_cfg, aux, probe, logger
-        self.beta, self.probing, self.step_aux = 0.0, False, aux
+        self.reference, self.recon_cfg, self.probe, self.logger = reference, recon_cfg, probe, logger
+        self.beta, self.probing = 0.0, False
+        self.aux = AuxiliaryWeights.from_train_config(cfg, beta=self.beta)
 
     def begin_step(self, step: int) -> None:
         self.probing = self.probe is not None and (step + 1) % self.cfg.run.grad_probe_every == 0
         self.beta = kl_weight_at(self.cfg, step)
-        self.step_aux = aux_at(self.aux, self.cfg, beta=self.beta)
+        self.aux = AuxiliaryWeights.from_train_config(self.cfg, beta=self.beta)  # router support may follow beta
 
     def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list:
         return [collate([self.train[i] for i in mb], self.model.tokens, num_z_slots=self.cfg.slot_tokens).to(self.engine.device) for mb in micro]
@@ -399,13 +399,13 @@ class CVAEObjective:
         ref_nll_BN = self.reference.ref_nll(engine, batch)  # before the training forward (ZeRO-3 ordering)
         out = engine.module(batch, mode="train")
         terms = per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=self.reference.c_base.value, recon_config=self.recon_cfg,
-                                      kl_weight=self.beta, aux=self.step_aux, mean_num_tokens=mean_num_tokens)
+                                      kl_weight=self.beta, aux=self.aux, mean_num_tokens=mean_num_tokens)
         loss = terms["loss"].sum() / global_count
         if out.posterior is not None:
             local_q_K = (out.posterior * terms["valid"][:, None]).sum(0)
             # this global micro-batch's own count, not the step's: else the marginal sums to 1/accumulation
             global_qn = engine.all_reduce(torch.cat([local_q_K.detach(), terms["valid"].detach().float().sum()[None]]))
-            marginal, router = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=global_qn[:-1], global_count=global_qn[-1], aux=self.step_aux)
+            marginal, router = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=global_qn[:-1], global_count=global_qn[-1], aux=self.aux)
             loss = loss + marginal / num_micro
             for name, value in router.items():
                 window.add_scalar(name, value)

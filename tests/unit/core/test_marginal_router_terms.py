@@ -94,15 +94,14 @@ def test_router_support_schedule_kl_delay_keeps_support_only_while_beta_is_zero(
     """delay: support at its weight on exactly the steps where the KL weight is 0 (the delay), then 0;
     constant: at its weight on every step. The other auxiliaries are never touched."""
     from zcvae.config import TrainConfig, kl_weight_at
-    from zcvae.core.objective import AuxiliaryWeights, aux_at
+    from zcvae.core.objective import AuxiliaryWeights
 
     for schedule in ("constant", "delay"):
         cfg = TrainConfig.from_flat(max_steps=10, kl_delay_fraction=0.6, router_support_weight=1.0, posterior_entropy_weight=0.5,
                                     router_support_schedule=schedule)
-        aux = AuxiliaryWeights.from_train_config(cfg)
-        support = [aux_at(aux, cfg, beta=kl_weight_at(cfg, step)).router_support for step in range(10)]
+        support = [AuxiliaryWeights.from_train_config(cfg, beta=kl_weight_at(cfg, step)).router_support for step in range(10)]
         # beta is 0 on steps 0-6 (step 6 starts the ramp at 0: (0.6 - 0.6) / 0.2), then > 0
         assert support == ([1.0] * 10 if schedule == "constant" else [1.0] * 7 + [0.0] * 3), schedule
-        assert {aux_at(aux, cfg, beta=kl_weight_at(cfg, s)).posterior_entropy for s in range(10)} == {0.5}
+        assert {AuxiliaryWeights.from_train_config(cfg, beta=kl_weight_at(cfg, s)).posterior_entropy for s in range(10)} == {0.5}
     with pytest.raises(ValueError, match="router_support_schedule"):
         TrainConfig.from_flat(router_support_schedule="sometimes")
