@@ -83,6 +83,8 @@ class ObjectiveSection(StrictDataclass):
 
     objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tok, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: zcvae.config.DEFAULT_OBJECTIVE (TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tok", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Token aggregation of every reconstruction term: mean (per-example token mean, then an example mean), sum (per-example token sum, then an example mean) or token (the global token mean: every supervised token of the global batch, all ranks and micro-batches, weighs the same).", choices=("mean", "sum", "token"))
+    reconstruction_weight_scale: str = _f("none", "none, or tokens: the weights of the terms in the mode's units (raw and tok; the terms divided by c_base or A(b_i) are ratios and stay) are multiplied by the validation mean of n_i (supervised tokens per example). Under mean aggregation every example still weighs the same, but the reconstruction has a sequence's size against the per-example KL, as under sum (docs/objective.md, \"Scale against the KL\"). Not with sum, which has that size already.", choices=("none", "tokens"))
+    reconstruction_weight_factor: float | None = _f(None, "The multiplier of the mode-unit weights that reconstruction-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
     reconstruction_loss_sum_scale: float | None = _f(None, "Sum mode only: divide each example's token sum by this constant C (Dr. GRPO's fixed divisor); c_base is divided by C too, so only raw, tok and ex change. Omitted: 1.")
     token_weight_alpha: float = _f(1.0, "Temperature alpha of the surprisal-share token weights (0 = uniform).")
     example_inverse_surprisal_epsilon: float = _f(1e-2, "Epsilon of the example-level inverse-surprisal ratio, in units of the aggregation mode.")
@@ -300,7 +302,7 @@ class TrainConfig(StrictDataclass):
 
         o = self.objective
         return ReconstructionLossConfig(
-            **{term.weight_field: getattr(o, term.weight_field) for term in RECONSTRUCTION_TERM_REGISTRY},
+            **self.effective_reconstruction_weights,
             token_weight_alpha=o.token_weight_alpha,
             example_inverse_surprisal_epsilon=o.example_inverse_surprisal_epsilon,
             inverse_surprisal_token_weight_epsilon=o.inverse_surprisal_token_weight_epsilon,
@@ -343,6 +345,15 @@ class TrainConfig(StrictDataclass):
             gradient_checkpointing=self.model.gradient_checkpointing,
             cpu_offload=self.engine.cpu_offload,
         )
+
+    @property
+    def effective_reconstruction_weights(self) -> dict[str, float]:
+        """Every term's weight as applied: the mode-unit terms' (raw, tok) times the resolved
+        ``reconstruction_weight_factor``, the ratio terms' as given."""
+        o = self.objective
+        factor = 1.0 if o.reconstruction_weight_factor is None else o.reconstruction_weight_factor
+        return {term.weight_field: getattr(o, term.weight_field) * (factor if term.in_mode_units else 1.0)
+                for term in RECONSTRUCTION_TERM_REGISTRY}
 
     @property
     def effective_kl_weight(self) -> float:
@@ -555,6 +566,15 @@ def validate(config: TrainConfig) -> None:
         raise ValueError(f"kl_weight_factor must be > 0 or omitted, got {cfg.kl_weight_factor}")
     if cfg.kl_weight_scale == "none" and cfg.kl_weight_factor not in (None, 1.0):
         raise ValueError(f"kl_weight_factor is {cfg.kl_weight_factor} but kl_weight_scale is none (set kl_weight_scale tokens or drop the factor)")
+    if cfg.reconstruction_weight_factor is not None and not cfg.reconstruction_weight_factor > 0:
+        raise ValueError(f"reconstruction_weight_factor must be > 0 or omitted, got {cfg.reconstruction_weight_factor}")
+    if cfg.reconstruction_weight_scale == "none" and cfg.reconstruction_weight_factor not in (None, 1.0):
+        raise ValueError(f"reconstruction_weight_factor is {cfg.reconstruction_weight_factor} but reconstruction_weight_scale is none "
+                         f"(set reconstruction_weight_scale tokens or drop the factor)")
+    if cfg.reconstruction_weight_scale == "tokens" and cfg.reconstruction_loss_token_aggregation_mode == "sum":
+        # a per-example sum already has a sequence's size; multiplying it by n_bar again would count the length twice
+        raise ValueError("reconstruction_weight_scale tokens applies to reconstruction_loss_token_aggregation_mode mean or token, "
+                         "got sum (its terms are already per sequence; use kl_weight_scale for the KL's side)")
     if cfg.grad_probe_every < 0:
         raise ValueError(f"grad_probe_every must be >= 0 (0: off), got {cfg.grad_probe_every}")
     if cfg.grad_probe_every and cfg.engine != "local":

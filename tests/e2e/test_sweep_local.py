@@ -28,6 +28,21 @@ def test_train_records_flushing_threads_objective_and_kl_factor(cli, tiny_backbo
     assert meta["config"]["kl_weight_factor"] == meta["kl_weight_factor"]
 
 
+def test_train_resolves_the_reconstruction_weight_scale_to_the_validation_mean_n(cli, tiny_backbone, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
+    cli("train", "--backbone", tiny_backbone, "--output-dir", run_dir, *args, "--no-progress-bar",
+        "--objective", "raw+dist", "--reconstruction-weight-scale", "tokens", cwd=tmp_path)
+    meta = read_run_record(run_dir)
+    assert "rscale-tokens" in meta["config"]["run_name"] and meta["config"]["reconstruction_weight"] == 1.0
+    final = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line][-1]
+    factor = meta["reconstruction_weight_factor"]
+    assert abs(factor - final["num_tokens"]) < 1e-6 and factor > 2 and meta["config"]["reconstruction_weight_factor"] == factor
+    # the weighted reconstruction the evaluation reports is raw x n_bar + dist, not raw + dist
+    raw, dist = final["reconstruction_loss"], final["distribution_normalized_reconstruction_loss"]
+    assert abs(final["weighted_reconstruction_loss"] - (factor * raw + dist)) < 1e-4 * max(1.0, final["weighted_reconstruction_loss"])
+
+
 def _family(path, backbone):
     base = {**TINY, "backbone": str(backbone), "objective": "dist", "reconstruction_loss_token_aggregation_mode": "sum"}
     path.write_text(json.dumps({"base": base, "grid": {"seed": [0, 1]}}))  # JSON is YAML

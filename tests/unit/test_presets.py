@@ -123,6 +123,26 @@ def test_kl_weight_scale_multiplies_beta_through_the_schedule():
         TrainConfig.from_flat(kl_weight_factor=3.0)  # a factor without the tokens scale
 
 
+def test_reconstruction_weight_scale_multiplies_the_mode_unit_weights_only():
+    cfg = train_cfg("--objective", "raw+dist", "--token-weighted-reconstruction-weight", "0.5",
+                    "--normalized-concentration-corrected-token-weighted-reconstruction-weight", "2",
+                    "--reconstruction-weight-scale", "tokens")
+    assert cfg.reconstruction_config().reconstruction_weight == 1.0  # unresolved: the trainer sets the factor
+    scaled = cfg.replace(reconstruction_weight_factor=16.0).reconstruction_config()
+    # raw and tok are in the mode's units (nats per token under mean) and are multiplied; dist and tokcc are
+    # ratios to c_base, the same size in every mode, and stay
+    assert (scaled.reconstruction_weight, scaled.token_weighted_reconstruction_weight) == (16.0, 8.0)
+    assert scaled.distribution_normalized_reconstruction_weight == 1.0
+    assert scaled.normalized_concentration_corrected_token_weighted_reconstruction_weight == 2.0
+    assert cfg.replace(reconstruction_weight_factor=16.0).objective.reconstruction_weight == 1.0  # the field keeps what was given
+    name = train_run_name(cfg.to_dict())
+    assert "rscale-tokens" in name and parse_train_run_name(name)["reconstruction_weight_scale"] == "tokens"
+    with pytest.raises(ValueError, match="reconstruction_weight_factor"):
+        TrainConfig.from_flat(reconstruction_weight_factor=3.0)  # a factor without the tokens scale
+    with pytest.raises(ValueError, match="reconstruction_weight_scale tokens applies to .* mean or token, got sum"):
+        train_cfg("--reconstruction-weight-scale", "tokens", "--reconstruction-loss-token-aggregation-mode", "sum")
+
+
 def _write_run(root, name, config, factor, nmi):
     run = root / name
     run.mkdir()

@@ -222,7 +222,13 @@ def _reconstruction_weights(config: dict[str, Any]) -> str:
         value = config.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0:
             parts.append(f"{short}={value:g}")
-    return ", ".join(parts) if parts else MISSING
+    if not parts:
+        return MISSING
+    text = ", ".join(parts)
+    if config.get("reconstruction_weight_scale") not in (None, "none"):
+        # the mode-unit weights (raw, tok) as applied are these times the validation mean n_i
+        text += f"; raw, tok x n ({config['reconstruction_weight_scale']})"
+    return text
 
 
 def _kl_schedule(config: dict[str, Any], factors: Sequence[Any]) -> str:
@@ -264,9 +270,9 @@ def _is_seed_bearing_key(key: str) -> bool:
     return key in ("run_name", "name") or key.endswith(("_dir", "_path", "output", "outdir"))
 
 
-# Keys that never split a seed group: the seed itself; the kl-weight-scale factor (read from each seed's
+# Keys that never split a seed group: the seed itself; the kl- and reconstruction-weight-scale factors (read from each seed's
 # data: one setting); and bookkeeping that does not change what is trained (a resumed run, a progress bar).
-_NOT_GROUPING = frozenset({"seed", "kl_weight_factor", "resume", "progress_bar", "save_every", "keep_last_checkpoints", "reference_cache_dir"})
+_NOT_GROUPING = frozenset({"seed", "kl_weight_factor", "reconstruction_weight_factor", "resume", "progress_bar", "save_every", "keep_last_checkpoints", "reference_cache_dir"})
 
 
 def _group_key(summary: RunSummary) -> str:

@@ -11,7 +11,9 @@ of docs/objective.md ("The six reconstruction terms"), which is the order of the
 - ``function``: ``function(parts) -> [B]``, the per-example value from the shared quantities of one
   batch (:class:`TermParts`); pure tensor math;
 - ``description``: one line, the CLI help of the weight flag;
-- ``default_weight``: its weight in ``TrainConfig()`` and ``ReconstructionLossConfig()``.
+- ``default_weight``: its weight in ``TrainConfig()`` and ``ReconstructionLossConfig()``;
+- ``in_mode_units``: whether its value is in the aggregation mode's units (raw, tok), which
+  ``--reconstruction-weight-scale tokens`` multiplies, rather than a ratio to c_base or A(b_i).
 
 The config dataclasses get one weight field per registered term when they are defined, so a term is
 registered before ``zcvae.config`` and ``zcvae.core.losses`` are imported: an entry in the tuple below
@@ -67,6 +69,10 @@ class ReconstructionTerm:
     function: Callable[[TermParts], torch.Tensor]
     description: str
     default_weight: float = 0.0
+    # True for a term whose value is in the aggregation mode's units (nats per token under mean, per sequence
+    # under sum), so that its size against the per-example KL follows the mode; the terms divided by c_base
+    # or by A(b_i) are ratios, the same size in every mode. --reconstruction-weight-scale multiplies these.
+    in_mode_units: bool = False
 
 
 RECONSTRUCTION_TERM_REGISTRY: list[ReconstructionTerm] = [
@@ -75,6 +81,7 @@ RECONSTRUCTION_TERM_REGISTRY: list[ReconstructionTerm] = [
         lambda p: p.raw_B,
         "the posterior-weighted token NLL, sum_k q_ik A(l_ik).",
         default_weight=1.0,
+        in_mode_units=True,
     ),
     ReconstructionTerm(
         "distribution_normalized_reconstruction_loss", "distribution_normalized_reconstruction_weight", "dist",
@@ -90,6 +97,7 @@ RECONSTRUCTION_TERM_REGISTRY: list[ReconstructionTerm] = [
         "token_weighted_reconstruction_loss", "token_weighted_reconstruction_weight", "tok",
         lambda p: p.token_B,
         "token NLL weighted by the reference surprisal share pi (temperature alpha).",
+        in_mode_units=True,
     ),
     ReconstructionTerm(
         "normalized_concentration_corrected_token_weighted_reconstruction_loss",

@@ -98,6 +98,7 @@ OBJECTIVE_FIELDS = (
     "posterior_pooling",
     "kl_weight",
     "kl_weight_scale",
+    "reconstruction_weight_scale",
     "kl_schedule",
     "kl_delay_fraction",
     "kl_ramp_fraction",

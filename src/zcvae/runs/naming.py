@@ -68,6 +68,7 @@ AGGREGATION_MODE_FIELD = "reconstruction_loss_token_aggregation_mode"
 ABBREVIATIONS: dict[str, str] = {
     AGGREGATION_MODE_FIELD: "agg",
     "reconstruction_loss_sum_scale": "sumscale",
+    "reconstruction_weight_scale": "rscale",
     "objective": "obj",
     "task": "task",
     "latent_type": "lat",
@@ -104,6 +105,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "save_every",
     "keep_last_checkpoints",
     "kl_weight_factor",  # resolved from the data by the trainer; kl_weight_scale names the choice
+    "reconstruction_weight_factor",  # likewise; reconstruction_weight_scale names the choice
 )
 MAX_NAME_LEN = 180
 _TRUNCATION_MARK = "__"

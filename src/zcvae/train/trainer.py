@@ -273,6 +273,12 @@ def _load_data_and_model(cfg: TrainConfig, *, say) -> _RunData:
         # beta x mean n_i keeps the KL's share of J where mean aggregation has it (docs/objective.md)
         cfg = cfg.replace(kl_weight_factor=float(np.mean([ex.num_supervised for ex in val_enc])))
         say(f"[kl] kl-weight-scale tokens: beta {cfg.objective.kl_weight:g} x validation mean n_i {cfg.objective.kl_weight_factor:.4g} = {cfg.effective_kl_weight:.4g}")
+    if cfg.objective.reconstruction_weight_scale == "tokens" and cfg.objective.reconstruction_weight_factor is None:
+        # mean aggregation divides each example's reconstruction by n_i while the KL stays per example: x mean n_i
+        # gives the mode-unit terms a sequence's size against the KL, and every example still weighs the same
+        factor = float(np.mean([ex.num_supervised for ex in val_enc]))
+        cfg = cfg.replace(reconstruction_weight_factor=factor)
+        say(f"[recon] reconstruction-weight-scale tokens: the raw and tok weights x validation mean n_i {factor:.4g}")
     model.calibrate(collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots))
     return _RunData(cfg=cfg, splits=splits, backbone=backbone, health=health, model=model, train_enc=train_enc, val_enc=val_enc,
                     train_report=train_report, val_report=val_report)
@@ -479,6 +485,7 @@ def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, re
         "config": cfg.to_sections(),  # nested; TrainConfig.from_dict and read_run_record read it flat too
         "objective": cfg.objective.objective,
         "kl_weight_factor": 1.0 if cfg.objective.kl_weight_factor is None else cfg.objective.kl_weight_factor,
+        "reconstruction_weight_factor": 1.0 if cfg.objective.reconstruction_weight_factor is None else cfg.objective.reconstruction_weight_factor,
         # measured at start-up: whether a subnormal times 1 came out 0, and the threads the steps ran on
         "cpu": cpu,
         "backbone": str(Path(backbone).resolve()),
