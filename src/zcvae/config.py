@@ -83,7 +83,7 @@ class ObjectiveSection(StrictDataclass):
 
     objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tok, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: zcvae.config.DEFAULT_OBJECTIVE (TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tok", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Token aggregation of every reconstruction term: mean (per-example token mean, then an example mean), sum (per-example token sum, then an example mean) or token (the global token mean: every supervised token of the global batch, all ranks and micro-batches, weighs the same).", choices=("mean", "sum", "token"))
-    reconstruction_weight_scale: str = _f("none", "none, or tokens: the weights of the terms in the mode's units (raw and tok; the terms divided by c_base or A(b_i) are ratios and stay) are multiplied by the validation mean of n_i (supervised tokens per example). Under mean aggregation every example still weighs the same, but the reconstruction has a sequence's size against the per-example KL, as under sum (docs/objective.md, \"Scale against the KL\"). Not with sum, which has that size already.", choices=("none", "tokens"))
+    reconstruction_weight_scale: str = _f("none", "none, or tokens: the weights of the terms in the mode's units (raw and tok; the terms divided by c_base or A(b_i) are ratios and stay) are brought to a sequence's size: under mean and token multiplied by the validation mean of n_i (supervised tokens per example), under sum by its scale C (1 unless reconstruction-loss-sum-scale is set). Under mean every example still weighs the same, but the reconstruction has a sequence's size against the per-example KL, as under sum (docs/objective.md, \"Scale against the KL\").", choices=("none", "tokens"))
     reconstruction_weight_factor: float | None = _f(None, "The multiplier of the mode-unit weights that reconstruction-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
     reconstruction_loss_sum_scale: float | None = _f(None, "Sum mode only: divide each example's token sum by this constant C (Dr. GRPO's fixed divisor); c_base is divided by C too, so only raw, tok and ex change. Omitted: 1.")
     token_weight_alpha: float = _f(1.0, "Temperature alpha of the surprisal-share token weights (0 = uniform).")
@@ -571,10 +571,6 @@ def validate(config: TrainConfig) -> None:
     if cfg.reconstruction_weight_scale == "none" and cfg.reconstruction_weight_factor not in (None, 1.0):
         raise ValueError(f"reconstruction_weight_factor is {cfg.reconstruction_weight_factor} but reconstruction_weight_scale is none "
                          f"(set reconstruction_weight_scale tokens or drop the factor)")
-    if cfg.reconstruction_weight_scale == "tokens" and cfg.reconstruction_loss_token_aggregation_mode == "sum":
-        # a per-example sum already has a sequence's size; multiplying it by n_bar again would count the length twice
-        raise ValueError("reconstruction_weight_scale tokens applies to reconstruction_loss_token_aggregation_mode mean or token, "
-                         "got sum (its terms are already per sequence; use kl_weight_scale for the KL's side)")
     if cfg.grad_probe_every < 0:
         raise ValueError(f"grad_probe_every must be >= 0 (0: off), got {cfg.grad_probe_every}")
     if cfg.grad_probe_every and cfg.engine != "local":
@@ -638,6 +634,29 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of field names to values")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def resolve_scale_factors(cfg: TrainConfig, *, mean_num_tokens: float, say=lambda _: None) -> TrainConfig:
+    """``cfg`` with the factors that ``kl_weight_scale`` and ``reconstruction_weight_scale`` ask for, read
+    from the data (``mean_num_tokens``: the validation mean of n_i); a factor already set (a resumed run)
+    stays. The trainer calls this once, before the first step, and records both in run_config.json."""
+    o = cfg.objective
+    if o.kl_weight_scale == "tokens" and o.kl_weight_factor is None:
+        # the explicit beta control of sum aggregation: sum scales reconstruction by ~mean n_i, so
+        # beta x mean n_i keeps the KL's share of J where mean aggregation has it (docs/objective.md)
+        cfg = cfg.replace(kl_weight_factor=float(mean_num_tokens))
+        say(f"[kl] kl-weight-scale tokens: beta {o.kl_weight:g} x validation mean n_i {mean_num_tokens:.4g} = {cfg.effective_kl_weight:.4g}")
+    if o.reconstruction_weight_scale == "tokens" and o.reconstruction_weight_factor is None:
+        # mean (and token) aggregation divide each example's reconstruction by about n_i while the KL stays per
+        # example: x mean n_i gives the mode-unit terms a sequence's size against the KL, and under mean every
+        # example still weighs the same; a sum has that size already, up to its constant C
+        if o.reconstruction_loss_token_aggregation_mode == "sum":
+            factor, what = (o.reconstruction_loss_sum_scale or 1.0), "the sum's scale C"
+        else:
+            factor, what = float(mean_num_tokens), "validation mean n_i"
+        cfg = cfg.replace(reconstruction_weight_factor=factor)
+        say(f"[recon] reconstruction-weight-scale tokens: the raw and tok weights x {what} {factor:.4g}")
+    return cfg
 
 
 def kl_weight_at(cfg: TrainConfig, step: int) -> float:

@@ -8,6 +8,7 @@ import pytest
 from zcvae.commands.aggregate import aggregate_runs, format_table
 from zcvae.commands.cli import build_parser, resolve_train_config
 from zcvae.config import (
+    resolve_scale_factors,
     DEFAULT_OBJECTIVE,
     OBJECTIVE_PRESETS,
     RECONSTRUCTION_WEIGHT_FIELDS,
@@ -139,8 +140,18 @@ def test_reconstruction_weight_scale_multiplies_the_mode_unit_weights_only():
     assert "rscale-tokens" in name and parse_train_run_name(name)["reconstruction_weight_scale"] == "tokens"
     with pytest.raises(ValueError, match="reconstruction_weight_factor"):
         TrainConfig.from_flat(reconstruction_weight_factor=3.0)  # a factor without the tokens scale
-    with pytest.raises(ValueError, match="reconstruction_weight_scale tokens applies to .* mean or token, got sum"):
-        train_cfg("--reconstruction-weight-scale", "tokens", "--reconstruction-loss-token-aggregation-mode", "sum")
+
+
+@pytest.mark.parametrize("mode, sum_scale, factor", [("mean", None, 14.5), ("token", None, 14.5), ("sum", None, 1.0), ("sum", 16.0, 16.0)])
+def test_reconstruction_weight_scale_resolves_to_a_sequences_size_in_every_mode(mode, sum_scale, factor):
+    flags = ["--reconstruction-weight-scale", "tokens", "--reconstruction-loss-token-aggregation-mode", mode]
+    if sum_scale is not None:
+        flags += ["--reconstruction-loss-sum-scale", str(sum_scale)]
+    cfg = resolve_scale_factors(train_cfg(*flags), mean_num_tokens=14.5)
+    assert cfg.objective.reconstruction_weight_factor == factor and cfg.objective.kl_weight_factor is None
+    # a resumed run keeps the factor it recorded, whatever the data says now
+    assert resolve_scale_factors(cfg, mean_num_tokens=99.0).objective.reconstruction_weight_factor == factor
+    assert resolve_scale_factors(train_cfg(), mean_num_tokens=14.5).objective.reconstruction_weight_factor is None
 
 
 def _write_run(root, name, config, factor, nmi):

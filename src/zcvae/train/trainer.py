@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from zcvae._version import __version__
-from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at, train_run_name
+from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at, resolve_scale_factors, train_run_name
 from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
 from zcvae.data.dataset import load_splits, passes_over_data
 from zcvae.distributed import dist_info, flush_denormals, free_cpu_cores, init_distributed
@@ -268,17 +268,7 @@ def _load_data_and_model(cfg: TrainConfig, *, say) -> _RunData:
         report_encoding(name, report, say=say)
     if not train_enc or not val_enc:
         raise ValueError(f"no usable example left: train {len(train_enc)}, val {len(val_enc)} (see the skip messages above)")
-    if cfg.objective.kl_weight_scale == "tokens" and cfg.objective.kl_weight_factor is None:
-        # the explicit beta control of sum aggregation: sum scales reconstruction by ~mean n_i, so
-        # beta x mean n_i keeps the KL's share of J where mean aggregation has it (docs/objective.md)
-        cfg = cfg.replace(kl_weight_factor=float(np.mean([ex.num_supervised for ex in val_enc])))
-        say(f"[kl] kl-weight-scale tokens: beta {cfg.objective.kl_weight:g} x validation mean n_i {cfg.objective.kl_weight_factor:.4g} = {cfg.effective_kl_weight:.4g}")
-    if cfg.objective.reconstruction_weight_scale == "tokens" and cfg.objective.reconstruction_weight_factor is None:
-        # mean aggregation divides each example's reconstruction by n_i while the KL stays per example: x mean n_i
-        # gives the mode-unit terms a sequence's size against the KL, and every example still weighs the same
-        factor = float(np.mean([ex.num_supervised for ex in val_enc]))
-        cfg = cfg.replace(reconstruction_weight_factor=factor)
-        say(f"[recon] reconstruction-weight-scale tokens: the raw and tok weights x validation mean n_i {factor:.4g}")
+    cfg = resolve_scale_factors(cfg, mean_num_tokens=float(np.mean([ex.num_supervised for ex in val_enc])), say=say)
     model.calibrate(collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots))
     return _RunData(cfg=cfg, splits=splits, backbone=backbone, health=health, model=model, train_enc=train_enc, val_enc=val_enc,
                     train_report=train_report, val_report=val_report)
