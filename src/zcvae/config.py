@@ -30,6 +30,7 @@ from pathlib import Path
 from collections.abc import Iterable, Mapping
 from typing import Any
 from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY, term_by_abbreviation, with_term_weight_fields
+from zcvae.presets import DEFAULT
 from zcvae.strict import StrictDataclass
 
 
@@ -81,7 +82,7 @@ class ModelSection(StrictDataclass):
 class ObjectiveSection(StrictDataclass):
     """The training objective: the reconstruction terms (one weight per registered term), c_base, the KL and its schedule, the auxiliaries."""
 
-    objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tok, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: zcvae.config.DEFAULT_OBJECTIVE (TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tok", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
+    objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tok, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: the default run preset, src/zcvae/presets/default.yaml (its objective and the fields that go with it, under any flag given; TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tok", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Token aggregation of every reconstruction term: mean (per-example token mean, then an example mean), sum (per-example token sum, then an example mean) or token (the global token mean: every supervised token of the global batch, all ranks and micro-batches, weighs the same).", choices=("mean", "sum", "token"))
     reconstruction_weight_scale: str = _f("none", "none, or tokens: the weights of the terms in the mode's units (raw and tok; the terms divided by c_base or A(b_i) are ratios and stay) are brought to a sequence's size: under mean and token multiplied by the validation mean of n_i (supervised tokens per example), under sum by its scale C (1 unless reconstruction-loss-sum-scale is set). Under mean every example still weighs the same, but the reconstruction has a sequence's size against the per-example KL, as under sum (docs/objective.md, \"Scale against the KL\").", choices=("none", "tokens"))
     reconstruction_weight_factor: float | None = _f(None, "The multiplier of the mode-unit weights that reconstruction-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
@@ -260,14 +261,14 @@ class TrainConfig(StrictDataclass):
 
     # -- construction
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config", default_objective: str | None = None) -> "TrainConfig":
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config", default_preset: str | None = None) -> "TrainConfig":
         """Build from a dict of the fields that were *given*, flat, in sections or both (:func:`flat_values`);
-        the objective is resolved by :func:`expand_objective` (so a dict must hold only what a user set, not a
-        full default dict). Reads run_config.json's ``config`` of both layouts: nested, and flat as written
+        the objective is resolved by :func:`expand_objective`, with ``default_preset`` under the given fields
+        when they name no objective (so a dict must hold only what a user set, not a full default dict). Reads run_config.json's ``config`` of both layouts: nested, and flat as written
         before the sections."""
         values = flat_values(values, source=f"{source}")
         check_types(cls, values, source=source)
-        return cls.from_flat(expand_objective(values, default=default_objective))
+        return cls.from_flat(expand_objective(values, default=default_preset))
 
     @classmethod
     def from_flat(cls, values: Mapping[str, Any] | None = None, /, **kwargs: Any) -> "TrainConfig":
@@ -394,8 +395,10 @@ OBJECTIVE_PRESETS: dict[str, dict[str, float]] = {
     "raw+dist": {_W_RAW: 1.0, _W_DIST: 1.0},
 }
 CUSTOM_OBJECTIVE = "custom"
-# What `zcvae train` optimises when no objective flag is given (the library's TrainConfig() stays raw).
-DEFAULT_OBJECTIVE = "raw+dist"
+# What `zcvae train` runs when no objective flag is given: the run preset src/zcvae/presets/default.yaml,
+# its objective and the fields that go with it (README, "The default"); the library's TrainConfig() stays raw.
+DEFAULT_PRESET = DEFAULT
+# Its objective, DEFAULT_OBJECTIVE, is read from that file at the end of this module (the file is its one home).
 # The hybrid the pilot families and `zcvae demo` run in mean and sum.
 BEST_HYBRID = "raw+dist"
 
@@ -411,11 +414,13 @@ def expand_objective(values: dict[str, Any], *, default: str | None = None) -> d
     """``values`` (the fields a user gave) with the objective resolved.
 
     - ``objective`` given: its preset's weights (and alpha), then every field in ``values`` on top
-      (explicit weight flags win entry by entry);
+      (explicit weight flags win entry by entry); nothing of the run preset ``default`` applies, so
+      ``--objective raw`` is the plain raw term, the collapse control;
     - no ``objective`` but some reconstruction weights given: exactly those weights, the others 0,
       recorded as ``"custom"``;
-    - neither: preset ``default`` when one is given (the CLI passes :data:`DEFAULT_OBJECTIVE`), else
-      the values as they are (TrainConfig's own defaults, raw 1.0, named by :func:`matching_objective`).
+    - neither: the run preset ``default`` when one is given (a file of :mod:`zcvae.presets`; the CLI and
+      the sweeps pass :data:`DEFAULT_PRESET`, the no-flag default), its fields under the given ones, else the
+      values as they are (TrainConfig's own defaults, raw 1.0, named by :func:`matching_objective`).
     """
     values = dict(values)
     name = values.get("objective")
@@ -423,7 +428,10 @@ def expand_objective(values: dict[str, Any], *, default: str | None = None) -> d
         if any(f in values for f in RECONSTRUCTION_WEIGHT_FIELDS):
             name = CUSTOM_OBJECTIVE
         elif default is not None:
-            name = default
+            preset = flat_values(load_config_file(default), source=f"preset {default}")
+            if preset.get("objective") is None:
+                raise ValueError(f"preset {default} names no objective, so it cannot be the default")
+            return expand_objective({**preset, **values})
         else:
             return values
     if name == CUSTOM_OBJECTIVE:
@@ -464,7 +472,7 @@ def token_weighting_confounds(configs: Iterable[dict[str, Any]]) -> list[str]:
     defaults = field_defaults()
     by_mode: dict[str, dict[str, set[float]]] = {}
     for params in configs:
-        cfg = {**defaults, **expand_objective(dict(params), default=DEFAULT_OBJECTIVE)}
+        cfg = {**defaults, **expand_objective(dict(params), default=DEFAULT_PRESET)}
         if not any(isinstance(cfg.get(f), (int, float)) and cfg[f] > 0 for f in TOKEN_WEIGHTED_FIELDS):
             continue
         alphas = by_mode.setdefault(aggregation_label(cfg), {}).setdefault(str(cfg.get("objective")), set())
@@ -679,3 +687,7 @@ def lr_factor_at(cfg: TrainConfig, step: int) -> float:
 
     o = cfg.optimization
     return lr_multiplier(step, warmup_steps=o.warmup_steps, max_steps=o.max_steps, min_lr_ratio=o.min_lr_ratio)
+
+
+# The no-flag default's objective, from its preset file (what the verdict names when it suggests the default).
+DEFAULT_OBJECTIVE: str = load_config_file(DEFAULT_PRESET)["objective"]

@@ -6,8 +6,8 @@ from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat,
 
 
 def test_demo_quick_prints_the_three_arm_table(cli, tmp_path):
-    """The tiny demo: sort3's backbone, then raw mean, the default and the late-decisions preset, each
-    run exactly as its arm says (the preset's fields from the packaged preset file) and tabled."""
+    """The tiny demo: sort3's backbone, then raw mean, the former default and the default, each run exactly
+    as its arm says (the default's fields from the packaged preset file) and tabled."""
     from zcvae.commands.demo import DEMO_ARMS, DEMO_NUM_LATENTS, DEMO_TASK
     from zcvae.config import load_config_file
 
@@ -20,12 +20,16 @@ def test_demo_quick_prints_the_three_arm_table(cli, tmp_path):
     assert len(runs) == len(DEMO_ARMS)
     configs = [read_run_record(r)["config"] for r in runs]
     assert {c["task"] for c in configs} == {DEMO_TASK} and {c["num_latents"] for c in configs} == {DEMO_NUM_LATENTS}
-    by_objective_mode = {(c["objective"], c["reconstruction_loss_token_aggregation_mode"]): c for c in configs}
-    assert set(by_objective_mode) == {("raw", "mean"), ("raw+dist", "mean"), ("raw+dist", "sum")}
-    late = by_objective_mode[("raw+dist", "sum")]
-    assert all(late[k] == v for k, v in load_config_file("late-decisions").items())
-    default = by_objective_mode[("raw+dist", "mean")]
-    assert (default["posterior_pooling"], default["kl_delay_fraction"], default["router_support_weight"]) == ("last", 0.3, 0.0)
+    by_objective_scale = {(c["objective"], c["reconstruction_weight_scale"]): c for c in configs}
+    assert set(by_objective_scale) == {("raw", "none"), ("raw+dist", "none"), ("raw+dist", "tokens")}
+    default = by_objective_scale[("raw+dist", "tokens")]
+    assert all(default[k] == v for k, v in load_config_file("default").items())
+    former = by_objective_scale[("raw+dist", "none")]
+    assert (former["reconstruction_loss_token_aggregation_mode"], former["posterior_pooling"], former["kl_delay_fraction"],
+            former["router_support_weight"]) == ("mean", "last", 0.3, 0.0)
+    # the raw arm is the plain raw term: none of the default preset's parts
+    raw = by_objective_scale[("raw", "none")]
+    assert (raw["posterior_pooling"], raw["router_support_weight"], raw["reconstruction_weight_factor"]) == ("last", 0.0, None)
     assert all((r / "verdict.json").is_file() for r in runs)
     assert (tmp_path / "demo" / "table.md").read_text().strip() == "\n".join(
         line for line in out.splitlines() if line.startswith("|")

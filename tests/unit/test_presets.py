@@ -151,7 +151,7 @@ def test_reconstruction_weight_scale_resolves_to_a_sequences_size_in_every_mode(
     assert cfg.objective.reconstruction_weight_factor == factor and cfg.objective.kl_weight_factor is None
     # a resumed run keeps the factor it recorded, whatever the data says now
     assert resolve_scale_factors(cfg, mean_num_tokens=99.0).objective.reconstruction_weight_factor == factor
-    assert resolve_scale_factors(train_cfg(), mean_num_tokens=14.5).objective.reconstruction_weight_factor is None
+    assert resolve_scale_factors(train_cfg("--objective", "raw+dist"), mean_num_tokens=14.5).objective.reconstruction_weight_factor is None
 
 
 def _write_run(root, name, config, factor, nmi):

@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-from zcvae.config import DEFAULT_OBJECTIVE, SECTIONS, TrainConfig, flat_fields, flat_values, load_config_file
+from zcvae.config import DEFAULT_PRESET, SECTIONS, TrainConfig, flat_fields, flat_values, load_config_file
 
 
 def _base_type(tp) -> tuple[Any, bool]:
@@ -61,7 +61,7 @@ def resolve_train_config(args: argparse.Namespace, cls=TrainConfig):
     field_names = {f.name for f in _config_fields(cls)[0]}
     values.update({k: v for k, v in vars(args).items() if k in field_names})
     # no objective and no weight given: `zcvae train` runs the default preset, not the library's raw 1.0
-    return cls.from_dict(values, source=args.config or "command line", default_objective=DEFAULT_OBJECTIVE)
+    return cls.from_dict(values, source=args.config or "command line", default_preset=DEFAULT_PRESET)
 
 
 def _cmd_train(args) -> int:

@@ -5,20 +5,21 @@
 2. Train the three arms that show the three outcomes a user meets, as a run family through the local
    sweep runner (:func:`zcvae.sweep.local.run_local`; finished runs are skipped, so an interrupted demo
    resumes), ``--seeds N`` seeds each, all at once:
-   raw mean (the collapse control: z unused) | the no-flag default (``raw+dist`` mean: two of the three
-   strategies merge into one latent) | the ``late-decisions`` preset (sum mode, mean pooling, 60% KL
-   delay, router support: one latent per strategy).
+   raw mean (the collapse control: z unused) | the former default (``--objective raw+dist``, mean mode,
+   the ``</y>`` state: two of the three strategies merge into one latent) | the default (no objective
+   flag, the ``default`` preset: mean mode at a sequence's scale, mean pooling, 60% KL delay, router
+   support during the delay: one latent per strategy).
 3. Print the aggregate table (seed groups as mean ± std) and where the TensorBoard logs are.
 
 ``zcvae demo --backbone DIR|FILE.gguf|smollm2`` does the same for a pretrained LM: its entangled stage
 on copy first (a raw LM has never seen the template), then the real-LM study's key arms, raw mean
-against the default (:func:`real_lm_family`, the runs of ``launch/families/real-lm-copy.yaml``). It
+against ``raw+dist`` mean (:func:`real_lm_family`, the runs of ``launch/families/real-lm-copy.yaml``). It
 prints its expected time, from one timed step of the backbone, before it starts.
 
 What the table teaches (README, "What the demo prints"): the plain per-token mean loses z (the
 dilution argument, docs/objective.md#dilution); a normalized objective keeps z but, reading only the
-``</y>`` state under the per-token mean, merges the strategies that part late; the late-decision preset
-keeps all three apart. The verdict of each run says which of these it is, without gold labels.
+``</y>`` state at the per-token scale, merges the strategies that part late; the default keeps all three
+apart. The verdict of each run says which of these it is, without gold labels.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from zcvae.config import BEST_HYBRID, DEFAULT_OBJECTIVE, field_defaults, load_config_file
-from zcvae.presets import LATE_DECISIONS
+from zcvae.config import BEST_HYBRID, DEFAULT_PRESET, field_defaults, load_config_file
 
 # The demo's task and K: sort3's three strategies (direct, count, descending) part at one token after y restates x.
 DEMO_TASK = "sort3"
@@ -36,8 +36,10 @@ DEMO_NUM_LATENTS = 3
 # The demo's arms, in table order: (label, the config fields the arm sets).
 DEMO_ARMS: tuple[tuple[str, dict], ...] = (
     ("raw mean", {"objective": "raw", "reconstruction_loss_token_aggregation_mode": "mean"}),
-    ("default", {"objective": DEFAULT_OBJECTIVE, "reconstruction_loss_token_aggregation_mode": "mean"}),
-    (LATE_DECISIONS, load_config_file(LATE_DECISIONS)),
+    # what `zcvae train` ran with no objective flag before the default preset: an objective given, so none of
+    # the preset's other fields apply
+    ("former default", {"objective": BEST_HYBRID, "reconstruction_loss_token_aggregation_mode": "mean"}),
+    ("default", load_config_file(DEFAULT_PRESET)),
 )
 
 # The demo's compute budget, in one place: backbone pretraining steps, then steps x batch per run.
@@ -72,7 +74,7 @@ def demo_arm_columns() -> dict[str, list]:
 def demo_family(*, backbone: str, task: str = DEMO_TASK, seeds: int, quick: bool = False) -> dict:
     """The demo as a run family (the format of ``launch/families/*.yaml``)."""
     return {
-        "description": f"zcvae demo: raw mean, the default and the {LATE_DECISIONS} preset on {task}",
+        "description": f"zcvae demo: raw mean, the former default and the default on {task}",
         "base": {**(QUICK_BASE if quick else DEMO_BASE), "task": task, "num_latents": DEMO_NUM_LATENTS, "backbone": backbone},
         "grid": {"seed": list(range(seeds))},
         "zip": [demo_arm_columns()],

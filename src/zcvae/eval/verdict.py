@@ -182,7 +182,8 @@ def _raw_only(config: Mapping[str, Any]) -> bool:
 
 
 def _late_recipe(config: Mapping[str, Any]) -> bool:
-    """Whether the run already has the two parts of the late-decision recipe that no preset sets."""
+    """Whether the run already has the late-decision parts that no objective preset sets, mean pooling and
+    router support (the default run preset and late-decisions set both)."""
     return config.get("posterior_pooling") == "mean" and float(config.get("router_support_weight") or 0.0) > 0
 
 
@@ -191,7 +192,7 @@ def _collapse_step(config: Mapping[str, Any], num_latents: int) -> str:
         return "set --num-latents to the number of strategies in the data (z with one value carries nothing)"
     if _raw_only(config):
         return (f"the raw term alone lets z collapse (teacher forcing dilutes the few tokens z decides): train with "
-                f"the default objective, {DEFAULT_OBJECTIVE} (drop --objective raw and the weight flags)")
+                f"the default (drop --objective raw and the weight flags: {DEFAULT_OBJECTIVE} in the default preset, --config default)")
     if not _late_recipe(config):
         return (f"hold the KL at 0 longer and keep every latent in use: --config {LATE_DECISION_RECIPE} "
                 f"(sum mode, mean pooling, 60% KL delay, router support 1)")

@@ -16,6 +16,8 @@ _HERE = Path(__file__).resolve().parent
 
 # The sum-mode recipe for strategies that part late in y (README, "Late decisions").
 LATE_DECISIONS = "late-decisions"
+# What `zcvae train` runs when no objective flag is given (zcvae.config.DEFAULT_PRESET; README, "The default").
+DEFAULT = "default"
 
 
 def preset_names() -> list[str]:

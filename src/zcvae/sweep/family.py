@@ -411,12 +411,12 @@ def check_run_configs(runs: Sequence[Run]) -> None:
     """ValueError naming the run and the field when a run's params would be refused by ``zcvae train``
     (an unknown task, a value of the wrong type or out of range), so ``--dry-run`` catches what the
     real run would fail on."""
-    from zcvae.config import DEFAULT_OBJECTIVE, TrainConfig
+    from zcvae.config import DEFAULT_PRESET, TrainConfig
     from zcvae.data.tasks import get_task
 
     for run in runs:
         try:
-            TrainConfig.from_dict(dict(run.params), source="family", default_objective=DEFAULT_OBJECTIVE)
+            TrainConfig.from_dict(dict(run.params), source="family", default_preset=DEFAULT_PRESET)
             if run.params.get("task") is not None:
                 get_task(run.params["task"])
         except ValueError as err:

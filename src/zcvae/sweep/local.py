@@ -53,12 +53,12 @@ def finished_run_mismatch(run: Run) -> str | None:
     them would table the old runs as the new family's. Every field the family sets for the run (with the
     objective preset's weights) is compared with the run's ``run_config.json``; where and how a run logs
     (the fields run names leave out) are not compared."""
-    from zcvae.config import DEFAULT_OBJECTIVE, TrainConfig, expand_objective
+    from zcvae.config import DEFAULT_PRESET, TrainConfig, expand_objective
     from zcvae.runs.naming import DEFAULT_EXCLUDE
     from zcvae.runs.rundir import read_run_record
 
-    planned = TrainConfig.from_dict(dict(run.params), source="family", default_objective=DEFAULT_OBJECTIVE).to_dict()
-    given = set(expand_objective(dict(run.params), default=DEFAULT_OBJECTIVE)) - set(DEFAULT_EXCLUDE)
+    planned = TrainConfig.from_dict(dict(run.params), source="family", default_preset=DEFAULT_PRESET).to_dict()
+    given = set(expand_objective(dict(run.params), default=DEFAULT_PRESET)) - set(DEFAULT_EXCLUDE)
     recorded = read_run_record(run.params["output_dir"])["config"]
     for name in sorted(given):
         if name not in recorded or name not in planned:
