@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from zcvae.config import DEFAULT_OBJECTIVE
+from zcvae.config import DEFAULT_OBJECTIVE, DEFAULT_PRESET, load_config_file
 from zcvae.data import read_jsonl
 from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
 
@@ -27,6 +27,11 @@ def _generator():
     return module
 
 
+def final_num_tokens(run_dir: Path) -> float:
+    """The validation mean of n_i, which the final evaluation reports as num_tokens."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]["num_tokens"]
+
+
 def test_default_trains_on_the_ambiguous_family_and_writes_a_verdict_with_its_reachable_nmi(cli, tmp_path):
     train, val = EXAMPLES / "ambiguous-train.jsonl", EXAMPLES / "ambiguous-val.jsonl"
     backbone = tmp_path / "bb"
@@ -40,6 +45,9 @@ def test_default_trains_on_the_ambiguous_family_and_writes_a_verdict_with_its_re
 
     meta = read_run_record(run_dir)
     assert meta["objective"] == DEFAULT_OBJECTIVE and meta["config"]["num_latents"] == 3
+    # no objective flag: every field of the default preset, and its scale resolved from this data
+    assert all(meta["config"][k] == v for k, v in load_config_file(DEFAULT_PRESET).items())
+    assert meta["reconstruction_weight_factor"] == final_num_tokens(run_dir) > 1
     assert meta["data"]["val"]["kept"] == len(read_jsonl(val))
     final = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["split"] == "eval" and final["step"] == 3
