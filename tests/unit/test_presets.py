@@ -277,3 +277,37 @@ def test_aggregate_mode_column_shows_token_and_the_sum_scale(tmp_path):
         cfg = train_cfg("--objective", "raw", *argv).to_dict()
         runs.append(_write_run(tmp_path, name, {**cfg, "run_name": name}, 1.0, 0.5))
     assert [row["mode"] for row in aggregate_runs(runs)] == ["token", "sum/16"]
+
+
+def test_mean_mode_at_a_sequences_size_is_the_sum_when_every_example_has_the_same_length():
+    """What --reconstruction-weight-scale tokens is for: with every n_i = n, mean mode with raw x n_bar and
+    dist is J of sum mode exactly (raw x n is the sum; dist is a ratio to the mode's c_base, the same in both),
+    values and gradients on the posterior and the branch NLLs; with different lengths they part (mean
+    still weighs every example the same)."""
+    import torch
+
+    from zcvae.core.losses import reconstruction_terms, weighted_reconstruction
+
+    def objective(mode, *, factor, mask):
+        cfg = train_cfg("--objective", "raw+dist", "--reconstruction-loss-token-aggregation-mode", mode,
+                        *(["--reconstruction-weight-scale", "tokens"] if factor else []))
+        cfg = cfg.replace(reconstruction_weight_factor=factor) if factor else cfg
+        gen = torch.Generator().manual_seed(0)
+        nll = torch.rand(4, 3, 6, generator=gen).requires_grad_(True)
+        logits = torch.randn(4, 3, generator=gen).requires_grad_(True)
+        ref = torch.rand(4, 6, generator=gen)
+        # c_base of each mode, as the reference store computes it: the mean of A_mode(b_i)
+        n = mask.sum(-1).float()
+        c_base = float(((ref * mask).sum(-1) / (n if mode == "mean" else 1.0)).mean())
+        terms = reconstruction_terms(token_nll=nll, posterior=logits.softmax(-1), ref_nll=ref, mask=mask, c_base=c_base,
+                                     config=cfg.reconstruction_config())
+        j = weighted_reconstruction(terms, cfg.reconstruction_config()).mean()
+        j.backward()
+        return j.detach(), nll.grad, logits.grad
+
+    equal = torch.ones(4, 6, dtype=torch.bool)
+    for got, want in zip(objective("mean", factor=6.0, mask=equal), objective("sum", factor=None, mask=equal)):
+        torch.testing.assert_close(got, want)
+    ragged = torch.arange(6)[None, :] < torch.tensor([2, 3, 5, 6])[:, None]
+    n_bar = float(ragged.sum(-1).float().mean())
+    assert not torch.allclose(objective("mean", factor=n_bar, mask=ragged)[1], objective("sum", factor=None, mask=ragged)[1])
