@@ -168,3 +168,22 @@ def test_aggregation_family_is_seed_000s_four_arm_ablation():
     for task, c in scale.items():
         mean_n = sum(len(ex.y.split()) + 1 for ex in make_examples(task, seed=0, split="val", num_examples=300)) / 300
         assert abs(mean_n - c) < 1.0, (task, mean_n)
+
+
+def test_the_default_families_run_the_no_flag_default_and_the_user_families_the_former_one():
+    """default.yaml and user-*-default.yaml give no objective, so each run is the default preset, as `zcvae
+    train` resolves it from the rendered arguments; user-late.yaml and user-ambiguous.yaml, whose runs the
+    README's user-family tables quote, name raw+dist and so keep the former default (the </y> state,
+    no scale, no support)."""
+    from zcvae.config import DEFAULT_PRESET, load_config_file
+
+    preset = load_config_file(DEFAULT_PRESET)
+    for name in ("default", "user-late-default", "user-ambiguous-default"):
+        for cfg in _trained(FAMILIES / f"{name}.yaml"):
+            assert all(cfg.to_dict()[k] == v for k, v in preset.items()), name
+    tasks = {(c.data.task, c.model.num_latents, c.optimization.seed) for c in _trained(FAMILIES / "default.yaml")}
+    assert tasks == {(t, k, s) for t, k in (("copy", 2), ("sort", 2), ("sort3", 3), ("mul", 3)) for s in (0, 1, 2)}
+    for name in ("user-late", "user-ambiguous"):
+        for cfg in _trained(FAMILIES / f"{name}.yaml"):
+            assert (cfg.objective.objective, cfg.objective.reconstruction_weight_scale, cfg.model.posterior_pooling,
+                    cfg.objective.router_support_weight) == ("raw+dist", "none", "last", 0.0), name
