@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from zcvae.config import DEFAULT_OBJECTIVE, RECONSTRUCTION_WEIGHT_FIELDS
-from zcvae.presets import LATE_DECISIONS
+from zcvae.presets import DEFAULT, LATE_DECISIONS
 from zcvae.runs.rundir import VERDICT, atomic_write_json, read_json
 
 __all__ = [
     "ALIGNED_NMI_RATIO",
     "GOLD_COLLAPSED_NMI",
-    "LATE_DECISION_RECIPE",
+    "SUGGESTED_PRESET",
     "MERGE_MIN_SHARE",
     "MIN_DISTINCT_OUTPUTS",
     "MIN_MI_FRACTION",
@@ -75,8 +75,13 @@ PURE_HOMOGENEITY = 0.95
 # A latent is in use above this share of all q mass: the threshold of num_used_latents (eval.metrics).
 USED_SHARE = 0.01
 
-# What the verdict suggests for strategies that part late in y (README, "Late decisions").
-LATE_DECISION_RECIPE = LATE_DECISIONS  # a named preset (zcvae.presets): --config late-decisions
+# What the verdict suggests for a run without the late-decision parts: the default run preset (zcvae.presets),
+# what `zcvae train` runs with no objective flag and `--config default` names (README, "The default").
+SUGGESTED_PRESET = DEFAULT
+_SUGGESTED = (f"the default (no objective flag, or --config {SUGGESTED_PRESET}: mean pooling, 60% KL delay, router support, "
+              f"the reconstruction at a sequence's scale)")
+# With those parts on already: the sum-mode variant (README, "Late decisions").
+SUM_MODE_PRESET = LATE_DECISIONS
 DISTINCT_OUTPUTS_KEY = "control/distinct_outputs"
 _GOLD_KEYS = ("nmi", "nmi_reachable", "nmi_ratio", "homogeneity", "completeness", "matching_accuracy",
               "control/matching_accuracy")
@@ -194,9 +199,9 @@ def _collapse_step(config: Mapping[str, Any], num_latents: int) -> str:
         return (f"the raw term alone lets z collapse (teacher forcing dilutes the few tokens z decides): train with "
                 f"the default (drop --objective raw and the weight flags: {DEFAULT_OBJECTIVE} in the default preset, --config default)")
     if not _late_recipe(config):
-        return (f"hold the KL at 0 longer and keep every latent in use: --config {LATE_DECISION_RECIPE} "
-                f"(sum mode, mean pooling, 60% KL delay, router support 1)")
-    return "the late-decision recipe is on already: train longer (--max-steps), with a larger batch, or another --seed"
+        return f"hold the KL at 0 longer and keep every latent in use: {_SUGGESTED}"
+    return (f"the late-decision parts are on already: train longer (--max-steps), with a larger batch, another --seed, "
+            f"or the sum-mode variant --config {SUM_MODE_PRESET}")
 
 
 def _merge_step(config: Mapping[str, Any], num_latents: int, num_strategies: int | None) -> str:
@@ -204,8 +209,9 @@ def _merge_step(config: Mapping[str, Any], num_latents: int, num_strategies: int
         return f"--num-latents {num_strategies}: the data has {num_strategies} strategies, and K = {num_latents} makes some share a latent"
     if not _late_recipe(config):
         return (f"strategies that share a latent usually part late in y, which the </y> state forgets: "
-                f"--config {LATE_DECISION_RECIPE} with --num-latents = the number of strategies")
-    return "the late-decision recipe is on already: check that K is the number of strategies, then try more --max-steps or another --seed"
+                f"{_SUGGESTED}, with --num-latents = the number of strategies")
+    return (f"the late-decision parts are on already: check that K is the number of strategies, then try more --max-steps, "
+            f"another --seed, or the sum-mode variant --config {SUM_MODE_PRESET}")
 
 
 def _discrete_status(metrics: Mapping[str, Any], num_latents: int, distinct: float | None, *,
@@ -267,7 +273,7 @@ def _next_step(config: Mapping[str, Any], *, discrete: bool, status: str, gold_s
         used = num_used_latents
         if used is not None and used < num_latents and not _late_recipe(config):
             return (f"{used:g} of {num_latents} latents in use: if the data has {num_latents} strategies, some share a latent; "
-                    f"for strategies that part late in y try --config {LATE_DECISION_RECIPE}; if it has {used:g}, nothing to do")
+                    f"for strategies that part late in y try {_SUGGESTED}; if it has {used:g}, nothing to do")
     return None
 
 

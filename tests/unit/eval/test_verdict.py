@@ -16,7 +16,7 @@ from zcvae.config import DEFAULT_OBJECTIVE, TrainConfig
 from zcvae.eval.evaluation import summarize
 from zcvae.eval.records import DecodeRecord, ExampleRecord
 from zcvae.eval.verdict import (
-    LATE_DECISION_RECIPE,
+    SUGGESTED_PRESET,
     MIN_DISTINCT_OUTPUTS,
     MIN_MI_FRACTION,
     VERDICT,
@@ -113,10 +113,10 @@ def test_collapsed_raw_run_without_labels_suggests_the_default_objective():
     assert f"below {MIN_MI_FRACTION}" in verdict["reasons"][0]
     assert DEFAULT_OBJECTIVE in verdict["next_step"] and "--objective raw" in verdict["next_step"]
     # the same collapse under the default objective points at the late-decision recipe instead
-    assert LATE_DECISION_RECIPE in judge(metrics, _config())["next_step"]
-    # and with the recipe on already, at more steps
-    recipe = _config(posterior_pooling="mean", router_support_weight=1.0, reconstruction_loss_token_aggregation_mode="sum")
-    assert "--max-steps" in judge(metrics, recipe)["next_step"]
+    assert f"--config {SUGGESTED_PRESET}" in judge(metrics, _config())["next_step"]
+    # and with the late-decision parts on already, at more steps or the sum-mode variant
+    recipe = _config(posterior_pooling="mean", router_support_weight=1.0, reconstruction_weight_scale="tokens")
+    assert "--max-steps" in judge(metrics, recipe)["next_step"] and "--config late-decisions" in judge(metrics, recipe)["next_step"]
 
 
 def test_merged_run_without_labels_is_in_use_with_a_hedged_next_step():
@@ -127,7 +127,7 @@ def test_merged_run_without_labels_is_in_use_with_a_hedged_next_step():
     assert verdict["latents"]["num_used_latents"] == 2
     k_eff = metrics["router_support"]
     assert 1.8 < k_eff < 2.0 and verdict["verdict"] == f"in use ({k_eff:.1f} of 3)"
-    assert verdict["next_step"].startswith("2 of 3 latents in use") and LATE_DECISION_RECIPE in verdict["next_step"]
+    assert verdict["next_step"].startswith("2 of 3 latents in use") and f"--config {SUGGESTED_PRESET}" in verdict["next_step"]
 
 
 def test_decoder_that_ignores_z_counts_as_collapsed_even_when_q_separates():
@@ -178,7 +178,7 @@ def test_merged_run_with_labels_names_the_pair_and_the_recipe():
     assert verdict["gold"]["num_strategies"] == 3
     assert verdict["gold"]["latents_in_use"] == [0, 1] and verdict["gold"]["unused_latents"] == [2]
     assert verdict["gold"]["latent_purity"]["1"] == pytest.approx(0.5, abs=0.01) and verdict["gold"]["pure"] is False
-    assert LATE_DECISION_RECIPE in verdict["next_step"]
+    assert f"--config {SUGGESTED_PRESET}" in verdict["next_step"]
     assert any("count+descending share latent 1" in line for line in verdict["lines"])
     # fewer latents than strategies: the merge is forced, and K is what to change
     rows = [("a", _sharp(0, 2))] * 4 + [("b", _sharp(1, 2))] * 4 + [("c", _sharp(1, 2))] * 4
@@ -230,7 +230,7 @@ def test_unaligned_latent_is_mixed_and_soft_leak_is_not_a_split():
     assert 0.1 < metrics["nmi"] < 0.9
     verdict = judge(metrics, _config())
     assert verdict["gold_status"] == "mixed" and verdict["gold"]["split"] == [] and verdict["gold"]["merged"] == []
-    assert LATE_DECISION_RECIPE in verdict["next_step"]
+    assert f"--config {SUGGESTED_PRESET}" in verdict["next_step"]
 
 
 def test_gold_without_per_strategy_usage_falls_back_on_nmi_ratio():
@@ -239,7 +239,7 @@ def test_gold_without_per_strategy_usage_falls_back_on_nmi_ratio():
     assert judge({**metrics, "nmi_ratio": 0.5}, _config())["gold_status"] == "mixed"
     # z in use (MI high) but not along the strategies: gold collapsed, and the step for a merge, not the raw term's
     unaligned = judge({**metrics, "nmi": 0.05, "nmi_ratio": 0.05}, _config(objective="raw"))
-    assert unaligned["verdict"] == "in use (2.0 of 2); gold: collapsed" and LATE_DECISION_RECIPE in unaligned["next_step"]
+    assert unaligned["verdict"] == "in use (2.0 of 2); gold: collapsed" and f"--config {SUGGESTED_PRESET}" in unaligned["next_step"]
 
 
 def test_gaussian_latent_is_judged_by_active_units():
