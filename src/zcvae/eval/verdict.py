@@ -210,8 +210,9 @@ def _merge_step(config: Mapping[str, Any], num_latents: int, num_strategies: int
     if not _late_recipe(config):
         return (f"strategies that share a latent usually part late in y, which the </y> state forgets: "
                 f"{_SUGGESTED}, with --num-latents = the number of strategies")
-    return (f"the late-decision parts are on already: check that K is the number of strategies, then try more --max-steps, "
-            f"another --seed, or the sum-mode variant --config {SUM_MODE_PRESET}")
+    return (f"the late-decision parts are on already: check that K is the number of strategies, then try the sum-mode "
+            f"variant --config {SUM_MODE_PRESET} (it kept late-parting strategies apart where the mean-mode default split "
+            f"them at random), more --max-steps or another --seed")
 
 
 def _discrete_status(metrics: Mapping[str, Any], num_latents: int, distinct: float | None, *,

@@ -180,6 +180,10 @@ def test_merged_run_with_labels_names_the_pair_and_the_recipe():
     assert verdict["gold"]["latent_purity"]["1"] == pytest.approx(0.5, abs=0.01) and verdict["gold"]["pure"] is False
     assert f"--config {SUGGESTED_PRESET}" in verdict["next_step"]
     assert any("count+descending share latent 1" in line for line in verdict["lines"])
+    # the same merge under the default (mean pooling and support on already) points to the sum-mode variant
+    under_default = judge(metrics, _config(num_latents=3, posterior_pooling="mean", router_support_weight=1.0,
+                                           reconstruction_weight_scale="tokens"))
+    assert "--config late-decisions" in under_default["next_step"] and "K is the number of strategies" in under_default["next_step"]
     # fewer latents than strategies: the merge is forced, and K is what to change
     rows = [("a", _sharp(0, 2))] * 4 + [("b", _sharp(1, 2))] * 4 + [("c", _sharp(1, 2))] * 4
     forced = judge(_run_metrics(rows, num_latents=2), _config())
