@@ -35,6 +35,9 @@ MICRO = 3
 COMMON = ["--task", "copy", "--num-train-examples", "48", "--num-val-examples", "6", "--num-eval-decode-examples", "2",
           "--micro-batch-size", str(MICRO), "--num-latents", "2", "--log-every", "1", "--no-progress-bar", "--warmup-steps", "1",
           "--max-steps", str(STEPS), "--reference-policy", "online", "--allow-fresh-markers",
+          # router support is a term of each global micro-batch's mean q (docs/objective.md, "Auxiliaries"), and the
+          # runs compared here group the same examples into different micro-batches: off, the rest of the default on
+          "--router-support-weight", "0",
           # small rates: Adam turns float noise on near-zero gradients into differences of order lr (see test_trainer_cli)
           "--lora-learning-rate", "1e-4", "--latent-learning-rate", "1e-3"]
 RUNS = {
