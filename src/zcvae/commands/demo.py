@@ -4,11 +4,11 @@
    one of three strategies, so the strategies part only at a decision token 3-5 tokens into y.
 2. Train the three arms that show the three outcomes a user meets, as a run family through the local
    sweep runner (:func:`zcvae.sweep.local.run_local`; finished runs are skipped, so an interrupted demo
-   resumes), ``--seeds N`` seeds each, all at once:
+   resumes), ``--seeds N`` seeds each, two at a time:
    raw mean (the collapse control: z unused) | the former default (``--objective raw+dist``, mean mode,
    the ``</y>`` state: two of the three strategies merge into one latent) | the default (no objective
    flag, the ``default`` preset: mean mode at a sequence's scale, mean pooling, 60% KL delay, router
-   support during the delay: one latent per strategy).
+   support: one latent per strategy). The controls run at half the rows (``DEMO_BUDGET``).
 3. Print the aggregate table (seed groups as mean ± std) and where the TensorBoard logs are.
 
 ``zcvae demo --backbone DIR|FILE.gguf|smollm2`` does the same for a pretrained LM: its entangled stage
