@@ -82,7 +82,7 @@ class ModelSection(StrictDataclass):
 class ObjectiveSection(StrictDataclass):
     """The training objective: the reconstruction terms (one weight per registered term), c_base, the KL and its schedule, the auxiliaries."""
 
-    objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tok, tokcc, tokinv, ex, raw+tokcc, raw+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: the default run preset, src/zcvae/presets/default.yaml (its objective and the fields that go with it, under any flag given; TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tok", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "custom"))
+    objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tok, tokcc, tokinv, ex, raw+tokcc, raw+dist, raw+tok+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: the default run preset, src/zcvae/presets/default.yaml (its objective and the fields that go with it, under any flag given; TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tok", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "raw+tok+dist", "custom"))
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Token aggregation of every reconstruction term: mean (per-example token mean, then an example mean), sum (per-example token sum, then an example mean) or token (the global token mean: every supervised token of the global batch, all ranks and micro-batches, weighs the same).", choices=("mean", "sum", "token"))
     reconstruction_weight_scale: str = _f("none", "none, or tokens: the weights of the terms in the mode's units (raw and tok; the terms divided by c_base or A(b_i) are ratios and stay) are brought to a sequence's size: under mean and token multiplied by the validation mean of n_i (supervised tokens per example), under sum by its scale C (1 unless reconstruction-loss-sum-scale is set). Under mean every example still weighs the same, but the reconstruction has a sequence's size against the per-example KL, as under sum (docs/objective.md, \"Scale against the KL\").", choices=("none", "tokens"))
     reconstruction_weight_factor: float | None = _f(None, "The multiplier of the mode-unit weights that reconstruction-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
@@ -393,6 +393,9 @@ OBJECTIVE_PRESETS: dict[str, dict[str, float]] = {
     "ex": {_W_EX: 1.0},
     "raw+tokcc": {_W_RAW: 1.0, _W_TOKCC: 1.0, "token_weight_alpha": 0.5},
     "raw+dist": {_W_RAW: 1.0, _W_DIST: 1.0},
+    # raw+dist plus the token-weighted L_tok, which puts the weight of each example on its high-surprisal
+    # (decision) tokens: the default preset's objective (README, "The default")
+    "raw+tok+dist": {_W_RAW: 1.0, _W_TOK: 1.0, _W_DIST: 1.0, "token_weight_alpha": 0.5},
 }
 CUSTOM_OBJECTIVE = "custom"
 # What `zcvae train` runs when no objective flag is given: the run preset src/zcvae/presets/default.yaml,

@@ -41,6 +41,7 @@ EXPECTED = {
     "ex": ({EX: 1.0}, 1.0),
     "raw+tokcc": ({RAW: 1.0, TOKCC: 1.0}, 0.5),
     "raw+dist": ({RAW: 1.0, DIST: 1.0}, 1.0),
+    "raw+tok+dist": ({RAW: 1.0, TOK: 1.0, DIST: 1.0}, 0.5),
 }
 
 
