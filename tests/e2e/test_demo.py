@@ -9,7 +9,7 @@ def test_demo_quick_prints_the_three_arm_table(cli, tmp_path):
     """The tiny demo: sort3's backbone, then raw mean, the former default and the default, each run exactly
     as its arm says (the default's fields from the packaged preset file) and tabled."""
     from zcvae.commands.demo import DEMO_ARMS, DEMO_NUM_LATENTS, DEMO_TASK
-    from zcvae.config import load_config_file
+    from zcvae.config import BEST_HYBRID, DEFAULT_OBJECTIVE, load_config_file
 
     proc = cli("demo", "--quick", "--output-dir", tmp_path / "demo", cwd=tmp_path)
     out = proc.stdout
@@ -21,10 +21,10 @@ def test_demo_quick_prints_the_three_arm_table(cli, tmp_path):
     configs = [read_run_record(r)["config"] for r in runs]
     assert {c["task"] for c in configs} == {DEMO_TASK} and {c["num_latents"] for c in configs} == {DEMO_NUM_LATENTS}
     by_objective_scale = {(c["objective"], c["reconstruction_weight_scale"]): c for c in configs}
-    assert set(by_objective_scale) == {("raw", "none"), ("raw+dist", "none"), ("raw+dist", "tokens")}
-    default = by_objective_scale[("raw+dist", "tokens")]
+    assert set(by_objective_scale) == {("raw", "none"), (BEST_HYBRID, "none"), (DEFAULT_OBJECTIVE, "tokens")}
+    default = by_objective_scale[(DEFAULT_OBJECTIVE, "tokens")]
     assert all(default[k] == v for k, v in load_config_file("default").items())
-    former = by_objective_scale[("raw+dist", "none")]
+    former = by_objective_scale[(BEST_HYBRID, "none")]
     assert (former["reconstruction_loss_token_aggregation_mode"], former["posterior_pooling"], former["kl_delay_fraction"],
             former["router_support_weight"]) == ("mean", "last", 0.3, 0.0)
     # the raw arm is the plain raw term: none of the default preset's parts

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from zcvae.config import DEFAULT_OBJECTIVE, RECONSTRUCTION_WEIGHT_FIELDS
+from zcvae.core.terms import term_by_abbreviation
 from zcvae.presets import DEFAULT, LATE_DECISIONS
 from zcvae.runs.rundir import VERDICT, atomic_write_json, read_json
 
@@ -78,10 +79,11 @@ USED_SHARE = 0.01
 # What the verdict suggests for a run without the late-decision parts: the default run preset (zcvae.presets),
 # what `zcvae train` runs with no objective flag and `--config default` names (README, "The default").
 SUGGESTED_PRESET = DEFAULT
-_SUGGESTED = (f"the default (no objective flag, or --config {SUGGESTED_PRESET}: mean pooling, 60% KL delay, router support, "
-              f"the reconstruction at a sequence's scale)")
+_SUGGESTED = (f"the default (no objective flag, or --config {SUGGESTED_PRESET}: {DEFAULT_OBJECTIVE} with the decision tokens "
+              f"weighted, mean pooling, 60% KL delay, router support, the reconstruction at a sequence's scale)")
 # With those parts on already: the sum-mode variant (README, "Late decisions").
 SUM_MODE_PRESET = LATE_DECISIONS
+TOKEN_WEIGHT_FIELD = term_by_abbreviation("tok").weight_field
 DISTINCT_OUTPUTS_KEY = "control/distinct_outputs"
 _GOLD_KEYS = ("nmi", "nmi_reachable", "nmi_ratio", "homogeneity", "completeness", "matching_accuracy",
               "control/matching_accuracy")
@@ -187,9 +189,13 @@ def _raw_only(config: Mapping[str, Any]) -> bool:
 
 
 def _late_recipe(config: Mapping[str, Any]) -> bool:
-    """Whether the run already has the late-decision parts that no objective preset sets, mean pooling and
-    router support (the default run preset and late-decisions set both)."""
-    return config.get("posterior_pooling") == "mean" and float(config.get("router_support_weight") or 0.0) > 0
+    """Whether the run already has the late-decision parts: mean pooling, router support, and a late
+    decision weighted as much as an early one, by the token-weighted L_tok (the default run preset) or by
+    sum mode (late-decisions). Either preset has all three; a run without them is pointed to the default."""
+    tok = float(config.get(TOKEN_WEIGHT_FIELD) or 0.0)
+    decisions_weighted = tok > 0 or config.get("reconstruction_loss_token_aggregation_mode") == "sum"
+    return (config.get("posterior_pooling") == "mean" and float(config.get("router_support_weight") or 0.0) > 0
+            and decisions_weighted)
 
 
 def _collapse_step(config: Mapping[str, Any], num_latents: int) -> str:
@@ -211,8 +217,7 @@ def _merge_step(config: Mapping[str, Any], num_latents: int, num_strategies: int
         return (f"strategies that share a latent usually part late in y, which the </y> state forgets: "
                 f"{_SUGGESTED}, with --num-latents = the number of strategies")
     return (f"the late-decision parts are on already: check that K is the number of strategies, then try the sum-mode "
-            f"variant --config {SUM_MODE_PRESET} (it kept late-parting strategies apart where the mean-mode default split "
-            f"them at random), more --max-steps or another --seed")
+            f"variant --config {SUM_MODE_PRESET} (it weighs each example by its length), more --max-steps or another --seed")
 
 
 def _discrete_status(metrics: Mapping[str, Any], num_latents: int, distinct: float | None, *,

@@ -184,6 +184,15 @@ def test_merged_run_with_labels_names_the_pair_and_the_recipe():
     under_default = judge(metrics, _config(num_latents=3, posterior_pooling="mean", router_support_weight=1.0,
                                            reconstruction_weight_scale="tokens"))
     assert "--config late-decisions" in under_default["next_step"] and "K is the number of strategies" in under_default["next_step"]
+    # pooling and support without a weighted decision (raw+dist in mean mode: what split the user family late at
+    # random) still lack a part of the default, so the default is the next step
+    no_decision_weight = judge(metrics, _config(num_latents=3, objective="raw+dist", posterior_pooling="mean",
+                                                router_support_weight=1.0, reconstruction_weight_scale="tokens"))
+    assert f"--config {SUGGESTED_PRESET}" in no_decision_weight["next_step"]
+    # sum mode weighs a late decision by the example's length: with pooling and support, the recipe is on
+    sum_recipe = judge(metrics, _config(num_latents=3, objective="raw+dist", posterior_pooling="mean", router_support_weight=1.0,
+                                        reconstruction_loss_token_aggregation_mode="sum"))
+    assert "are on already" in sum_recipe["next_step"]
     # fewer latents than strategies: the merge is forced, and K is what to change
     rows = [("a", _sharp(0, 2))] * 4 + [("b", _sharp(1, 2))] * 4 + [("c", _sharp(1, 2))] * 4
     forced = judge(_run_metrics(rows, num_latents=2), _config())
