@@ -18,7 +18,6 @@ is y: the posterior may be right about which latent writes y while disagreeing w
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -33,13 +32,13 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
-def latent_writes(rows: list[dict], decodes: dict[str, list[str]]) -> dict[int, Counter]:
+def latent_writes(rows: list, decodes: dict[str, list[str]]) -> dict[int, Counter]:
     """{latent k: Counter(strategy -> number of x for which k decoded that strategy's y)}.
 
-    ``rows``: dicts with x, y, strategy; ``decodes``: x -> the decoded y of each latent, in latent order."""
+    ``rows``: labelled examples (zcvae.data.Example); ``decodes``: x -> the decoded y of each latent, in latent order."""
     ys_by_x: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     for r in rows:
-        ys_by_x[r["x"]][_norm(r["y"])].add(r["strategy"])
+        ys_by_x[r.x][_norm(r.y)].add(r.strategy)
     writes: dict[int, Counter] = defaultdict(Counter)
     for x, outs in decodes.items():
         for k, y in enumerate(outs):
@@ -48,21 +47,19 @@ def latent_writes(rows: list[dict], decodes: dict[str, list[str]]) -> dict[int, 
     return dict(writes)
 
 
-def routing(rows: list[dict], decodes: dict[str, list[str]], chosen: list[int]) -> Counter:
+def routing(rows: list, decodes: dict[str, list[str]], chosen: list[int]) -> Counter:
     """Counter((strategy, chosen latent, whether that latent's decode of x is y)) over ``rows``."""
-    return Counter((r["strategy"], k, _norm(decodes[r["x"]][k]) == _norm(r["y"])) for r, k in zip(rows, chosen))
+    return Counter((r.strategy, k, _norm(decodes[r.x][k]) == _norm(r.y)) for r, k in zip(rows, chosen))
 
 
-def _load_rows(path: Path) -> list[dict]:
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        missing = [f for f in ("x", "y", "strategy") if not row.get(f)]
-        if missing:
-            raise ValueError(f"{path}:{n}: missing {', '.join(missing)}: this script needs labelled rows")
-        rows.append(row)
+def _load_rows(path: Path) -> list:
+    """The examples of a JSONL file as training reads it (zcvae.data.jsonl), each with its strategy."""
+    from zcvae.data.jsonl import read_jsonl
+
+    rows = read_jsonl(path)
+    unlabelled = next((r for r in rows if r.strategy is None), None)
+    if unlabelled is not None:
+        raise ValueError(f"{path}: example id {unlabelled.id!r}: missing strategy: this script needs labelled rows")
     return rows
 
 
@@ -75,11 +72,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         rows = _load_rows(args.data)
-    except (OSError, ValueError) as err:
+    except ValueError as err:
         print(f"latent_meaning: error: {err}", file=sys.stderr)
         return 2
-    xs = list(dict.fromkeys(r["x"] for r in rows))[: args.max_inputs]
-    rows = [r for r in rows if r["x"] in set(xs)]
+    xs = list(dict.fromkeys(r.x for r in rows))[: args.max_inputs]
+    kept = set(xs)
+    rows = [r for r in rows if r.x in kept]
 
     import torch
 
@@ -94,10 +92,10 @@ def main(argv=None) -> int:
     decodes = {x: [tok.decode(o, skip_special_tokens=True) for o in
                    decode_greedy(model, ids(x), latent_index=torch.arange(K), max_new_tokens=args.max_new_tokens)]
                for x in xs}
-    chosen = [int(encode_xy(model, ids(r["x"]), ids(r["y"]))["posterior"].argmax()) for r in rows]
+    chosen = [int(encode_xy(model, ids(r.x), ids(r.y))["posterior"].argmax()) for r in rows]
 
     writes = latent_writes(rows, decodes)
-    strategies = sorted({r["strategy"] for r in rows})
+    strategies = sorted({r.strategy for r in rows})
     columns = strategies + [TIE, OTHER]
     print(f"what each latent writes, over {len(xs)} x (number of x)\n")
     print("| latent | " + " | ".join(columns) + " |")

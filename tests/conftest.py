@@ -175,3 +175,22 @@ def checkpointed_run() -> Callable[..., Path]:
     trainable tensor moved by ``scale``, saved as ``cfg.run.output_dir`` with one complete checkpoint and
     run_config.json, as the trainer leaves a run."""
     return _checkpointed_run
+
+
+@pytest.fixture(scope="session")
+def bench_script() -> Callable[[str], object]:
+    """``bench_script("verdict_check")``: the module of bench/verdict_check.py, loaded from its file (bench/ is
+    scripts, not a package), once per name."""
+    import importlib.util
+
+    loaded: dict[str, object] = {}
+
+    def load(name: str):
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(name, TESTS.parent / "bench" / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded[name]
+
+    return load

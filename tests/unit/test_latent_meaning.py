@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "latent_meaning.py"
+from zcvae.data import Example
 
 
 @pytest.fixture(scope="module")
-def meaning():
-    spec = importlib.util.spec_from_file_location("latent_meaning", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def meaning(bench_script):
+    return bench_script("latent_meaning")
 
 
-def _rows(x: str) -> list[dict]:
+def _rows(x: str) -> list[Example]:
     d = x.split()
-    return [{"x": x, "y": x + " .", "strategy": "copy"},
-            {"x": x, "y": " ".join(d[::-1]) + " .", "strategy": "reverse"},
-            {"x": x, "y": " ".join(c + " " + c for c in d) + " .", "strategy": "double"}]
+    return [Example(id=f"{x}-copy", x=x, y=x + " .", strategy="copy"),
+            Example(id=f"{x}-reverse", x=x, y=" ".join(d[::-1]) + " .", strategy="reverse"),
+            Example(id=f"{x}-double", x=x, y=" ".join(c + " " + c for c in d) + " .", strategy="double")]
 
 
 def test_a_per_x_assignment_shows_as_two_columns_and_a_palindrome_as_a_tie(meaning):
@@ -50,6 +45,6 @@ def test_routing_counts_whether_the_chosen_latent_writes_y(meaning):
 
 def test_unlabelled_rows_are_refused_with_the_line(meaning, tmp_path, capsys):
     data = tmp_path / "u.jsonl"
-    data.write_text('{"x": "1 2", "y": "1 2 .", "strategy": "copy"}\n{"x": "3 4", "y": "4 3 ."}\n')
+    data.write_text('{"id": "a", "x": "1 2", "y": "1 2 .", "strategy": "copy"}\n{"id": "b", "x": "3 4", "y": "4 3 ."}\n')
     assert meaning.main([str(tmp_path / "no-model"), str(data)]) == 2
-    assert "u.jsonl:2: missing strategy" in capsys.readouterr().err
+    assert "u.jsonl: example id 'b': missing strategy" in capsys.readouterr().err

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,15 +9,10 @@ import pytest
 
 from zcvae.config import TrainConfig
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "verdict_check.py"
-
 
 @pytest.fixture(scope="module")
-def verdict_check():
-    spec = importlib.util.spec_from_file_location("verdict_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def verdict_check(bench_script):
+    return bench_script("verdict_check")
 
 
 def _run(root: Path, name: str, final: dict | None, **config):
