@@ -14,6 +14,7 @@ numbers of examples (ragged shards, empty micro-batches), and a mean of means is
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,7 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "all_reduce", "barrier", "busy_cpu_cores", "dist_info", "flush_denormals", "free_cpu_cores", "init_distributed", "reduce_metrics"]
+__all__ = ["CoreFollower", "DistInfo", "all_reduce", "barrier", "busy_cpu_cores", "cpu_threads", "dist_info", "flush_denormals", "free_cpu_cores",
+           "init_distributed", "reduce_metrics"]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
@@ -264,3 +266,77 @@ def free_cpu_cores(*, interval: float = 0.2) -> int:
         except (AttributeError, OSError):
             busy = 0.0
     return max(1, min(cores, cores - int(busy + 0.5)))
+
+
+class CoreFollower:
+    """Keeps torch's CPU threads at the cores other processes leave free, re-measured at each ``update``.
+
+    Why: a run that starts next to another one keeps the thread count it started with, so when the
+    other ends a core sits idle (the demo's default beside its two controls; the last runs of a local
+    sweep). On the demo's default step 2 threads ran 1.6x faster than 1 for 1.15x the CPU time
+    (BENCHMARKS.md, "The demo"). The load of the others is measured over the whole interval between two
+    calls (a log window, tens of seconds, so a short spike does not flip the count): the busy cores of
+    /proc/stat less this process's own CPU time, so its own threads never count as load and no sampling
+    sleep is needed. Without /proc/stat the count stays as it is.
+    """
+
+    def __init__(self):
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        self._last = self._snapshot()
+
+    def _snapshot(self):
+        return _cpu_times(self.cpus), time.process_time(), time.monotonic()
+
+    def others_busy(self) -> float | None:
+        """Cores that other processes kept busy since the previous call (0..cores), None where unknown."""
+        (before, own_before, t_before), now = self._last, self._snapshot()
+        self._last = now
+        after, own_after, t_after = now
+        wall = t_after - t_before
+        if before is None or after is None or wall <= 0:
+            return None
+        busy = 0.0
+        for cpu in self.cpus:
+            d_idle, d_total = after[cpu][0] - before[cpu][0], after[cpu][1] - before[cpu][1]
+            busy += 0.0 if d_total <= 0 else 1.0 - d_idle / d_total
+        return max(0.0, busy - (own_after - own_before) / wall)
+
+    def update(self) -> int:
+        """Set the thread count to the cores the others left free (at least 1); returns it."""
+        others = self.others_busy()
+        if others is not None:
+            threads = max(1, min(len(self.cpus), len(self.cpus) - int(others + 0.5)))
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+        return torch.get_num_threads()
+
+
+# Set by a launcher that starts several runs at once (zcvae.sweep.local): start on this many threads, so
+# that runs started together do not each take every core, then follow the free cores.
+START_THREADS_ENV = "ZCVAE_START_THREADS"
+
+
+def cpu_threads(*, follow: bool = True) -> tuple[CoreFollower | None, str]:
+    """The thread policy of a CPU training process: sets the starting count and returns (the follower
+    to update at each log step, or None where the count is fixed, and where the count came from).
+
+    ``OMP_NUM_THREADS`` set (by the user, or by torchrun: ranks share the cores and must stay
+    reproducible): that count, fixed. Else ``ZCVAE_START_THREADS`` or the cores idle now
+    (:func:`free_cpu_cores`), then followed (:class:`CoreFollower`) where ``follow``.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return None, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    start = os.environ.get(START_THREADS_ENV)
+    if start is not None:
+        if not start.isdigit() or int(start) < 1:
+            raise ValueError(f"{START_THREADS_ENV} must be a positive integer, got {start!r}")
+        torch.set_num_threads(int(start))
+        source = f"{START_THREADS_ENV}={start}"
+    else:
+        # OpenMP threads sharing a busy core spin-wait on each other: on 2 loaded cores a CVAE step with
+        # 2 threads ran up to 10x slower than with 1, so start on the cores idle now
+        torch.set_num_threads(free_cpu_cores())
+        source = "free cores (/proc/stat)"
+    if not follow:
+        return None, source
+    return CoreFollower(), f"{source}, then the free cores at each log step"

@@ -1,5 +1,6 @@
 """CPU set-up of every training process: subnormal floats are flushed, and the thread count follows the
-cores that are idle now (not the 1-minute load average, which still counts the caller's previous stage)."""
+cores that are idle now (not the 1-minute load average, which still counts the caller's previous stage),
+at the start and again after each log window (CoreFollower)."""
 
 import os
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from zcvae import distributed
-from zcvae.distributed import busy_cpu_cores, flush_denormals, free_cpu_cores
+from zcvae.distributed import START_THREADS_ENV, CoreFollower, busy_cpu_cores, cpu_threads, flush_denormals, free_cpu_cores
 
 SUBNORMAL = 1e-40  # below float32's smallest normal, 1.18e-38
 
@@ -60,3 +61,70 @@ def test_without_proc_stat_the_load_average_is_used(monkeypatch):
 def test_busy_cores_reads_this_machine():
     busy = busy_cpu_cores(0.05)
     assert busy is None or 0.0 <= busy <= len(os.sched_getaffinity(0)) + 1e-9
+
+
+@pytest.fixture
+def threads():
+    """Restores torch's thread count after a test that sets it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _follower(monkeypatch, *, others: float, own: float, wall: float = 10.0, cpus=frozenset({0, 1})) -> CoreFollower:
+    """A follower over ``cpus`` whose next window saw ``others`` cores busy in other processes and ``own``
+    cores of this process's CPU time (all on /proc/stat's busy count too)."""
+    busy = others + own  # cores busy in the window, spread evenly over the cpus
+    stats = iter([{c: (0, 0) for c in cpus}, {c: (round(100 * (1 - busy / len(cpus))), 100) for c in cpus}])
+    clock = iter([0.0, wall])
+    process = iter([0.0, own * wall])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cpus))
+    monkeypatch.setattr(distributed, "_cpu_times", lambda c: next(stats))
+    monkeypatch.setattr(distributed.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(distributed.time, "process_time", lambda: next(process))
+    return CoreFollower()
+
+
+def test_a_run_takes_the_core_another_left_and_gives_it_back(monkeypatch, threads):
+    torch.set_num_threads(1)
+    assert _follower(monkeypatch, others=0.0, own=1.0).update() == 2  # the other run ended
+    assert torch.get_num_threads() == 2
+    # its own two threads are not load: it keeps both
+    assert _follower(monkeypatch, others=0.0, own=1.9).update() == 2
+    # another run started next to it: back to one
+    assert _follower(monkeypatch, others=1.0, own=1.0).update() == 1
+    assert torch.get_num_threads() == 1
+    # more load than cores: still at least one
+    assert _follower(monkeypatch, others=2.0, own=0.0).update() == 1
+
+
+def test_without_proc_stat_the_follower_keeps_the_count(monkeypatch, threads):
+    torch.set_num_threads(1)
+    monkeypatch.setattr(distributed, "_cpu_times", lambda cpus: None)
+    assert CoreFollower().update() == 1
+
+
+def test_omp_num_threads_fixes_the_count_and_nothing_follows(monkeypatch, threads):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv(START_THREADS_ENV, "2")  # the user's fixed count wins over a launcher's start
+    follower, source = cpu_threads()
+    assert follower is None and source == "OMP_NUM_THREADS=1"
+
+
+def test_a_launcher_sets_the_start_and_the_run_follows_from_there(monkeypatch, threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv(START_THREADS_ENV, "1")
+    torch.set_num_threads(2)
+    follower, source = cpu_threads()
+    assert isinstance(follower, CoreFollower) and torch.get_num_threads() == 1
+    assert source == f"{START_THREADS_ENV}=1, then the free cores at each log step"
+    follower, source = cpu_threads(follow=False)  # the ranks of one job keep their count
+    assert follower is None and source == f"{START_THREADS_ENV}=1"
+
+
+@pytest.mark.parametrize("bad", ["0", "two", "-1", ""])
+def test_a_bad_start_count_names_the_variable(monkeypatch, bad):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv(START_THREADS_ENV, bad)
+    with pytest.raises(ValueError, match=START_THREADS_ENV):
+        cpu_threads()

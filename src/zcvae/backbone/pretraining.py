@@ -59,7 +59,7 @@ from zcvae.backbone.stage_data import (
 from zcvae.backbone.stage_eval import decoding_report, evaluate_nll
 from zcvae.backbone.stage_model import build_tiny_model, load_backbone_for_finetune, merged_model
 from zcvae.core.schedule import lr_multiplier
-from zcvae.distributed import flush_denormals, free_cpu_cores
+from zcvae.distributed import cpu_threads, flush_denormals
 from zcvae.templates import collate
 
 
@@ -88,8 +88,8 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
 
     flush_denormals(log=log)
     previous_threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(free_cpu_cores())
+    # the thread policy of `zcvae train` (zcvae.distributed.cpu_threads); ranks of one job keep their count
+    follower, _ = cpu_threads(follow=dist_info().world_size == 1)
     try:
         # as in `zcvae train`: the stop handlers first, then rank 0 holds the directory's lock
         with StopSignals() as signals:
@@ -97,7 +97,7 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
             if lock is not None:
                 lock.acquire()
             try:
-                return _pretrain(config, log=log, signals=signals)
+                return _pretrain(config, log=log, signals=signals, follower=follower)
             finally:
                 if lock is not None:
                     lock.release()
@@ -234,7 +234,7 @@ def _resume(config: PretrainConfig, *, engine, checkpoints, run_dir: Path, is_ma
 
 
 def _train(config: PretrainConfig, stage: _Stage, *, engine, groups, micro_batch_size: int, world_size: int,
-           run_dir: Path, is_main: bool, decision_pos, signals, say) -> dict:
+           run_dir: Path, is_main: bool, decision_pos, signals, say, follower=None) -> dict:
     """Run the loop from the resumed step to ``max_steps``; return the timings, the tokens seen, the
     resumed step and the final validation statistics."""
     from zcvae.loop import LoopSettings, RunLogger, run_loop
@@ -275,7 +275,7 @@ def _train(config: PretrainConfig, stage: _Stage, *, engine, groups, micro_batch
              lr_factor=lambda step: lr_multiplier(step, warmup_steps=config.warmup_steps, max_steps=config.max_steps,
                                                   min_lr_ratio=config.min_lr_ratio),
              start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": config, "c_base": None},
-             evaluate=run_eval, logger=logger, signals=signals, log=say)
+             evaluate=run_eval, logger=logger, signals=signals, log=say, cpu_threads=follower)
     train_time = time.perf_counter() - train_start
     # CPU seconds of this process: on a shared machine, a steadier measure of cost than wall time.
     train_cpu_time = time.process_time() - train_cpu_start
@@ -346,7 +346,7 @@ def _report(summary: dict, *, floor, output_dir: str, say) -> None:
             say(f"decode {template} {mode}: {freq}; parse_ok {d['parse_ok']:.2f} answer acc {d['answer_accuracy']:.2f}")
 
 
-def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) -> dict:
+def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals, follower=None) -> dict:
     from zcvae.distributed import init_distributed
 
     start_time = time.perf_counter()
@@ -376,7 +376,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals) ->
     initial = evaluate_nll(engine.module, stage.val, stage.tokens, decision_positions=decision_pos)
     trained = _train(config, stage, engine=engine, groups=groups, micro_batch_size=micro_batch_size,
                      world_size=info.world_size, run_dir=run_dir, is_main=is_main, decision_pos=decision_pos,
-                     signals=signals, say=say)
+                     signals=signals, say=say, follower=follower)
 
     # every rank decodes (a sharded model's forwards are collectives), only rank 0 writes
     decoding = None

@@ -101,13 +101,15 @@ def run_loop(
     logger,
     signals: StopSignals,
     log: Callable[[str], None],
+    cpu_threads=None,
 ) -> dict[str, float]:
     """Train from ``start_step`` to ``settings.max_steps``; returns the final evaluation's metrics.
 
     ``checkpoint_state``: the keyword arguments ``checkpoints.save`` takes besides engine and step
     (``config``, ``c_base``). ``evaluate(step)`` evaluates and logs. Raises
     :class:`~zcvae.train.guards.Preempted` after saving when a stop signal arrived, and
-    :class:`~zcvae.train.guards.TrainingDiverged` on a divergence.
+    :class:`~zcvae.train.guards.TrainingDiverged` on a divergence. ``cpu_threads``: a
+    :class:`~zcvae.distributed.CoreFollower` updated after each log window (None: the thread count stays).
     """
     s = settings
     rank, world_size, device = engine.rank, engine.world_size, engine.device
@@ -149,6 +151,10 @@ def run_loop(
             tokens = float(engine.all_reduce(torch.tensor(window_tokens, dtype=torch.float64)))
             metrics.update(objective.window_metrics())
             metrics["tokens_per_second"] = tokens / max(elapsed, 1e-9)
+            if cpu_threads is not None:
+                metrics["num_threads"] = torch.get_num_threads()  # the window's count; the next window's follows the free cores
+                if cpu_threads.update() != metrics["num_threads"]:
+                    log(f"[cpu] step {done}: {torch.get_num_threads()} threads (was {metrics['num_threads']}), the cores other processes leave free")
             metrics.update({f"learning_rate/{name}": lr * factor for name, lr in zip(group_names, peak_lrs)})
             if window_first > (done - 1) // s.log_every * s.log_every:
                 # the steps before the checkpoint were averaged by the interrupted run and never logged

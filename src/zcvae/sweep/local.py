@@ -8,7 +8,8 @@ the backbones they need are built here: the family's entangled stages and the ca
 
 There is one way to run: a subprocess per run, ``jobs`` at a time. With ``jobs == 1`` the run writes to this
 terminal (its progress bar included) and takes the free cores; with more, each run logs to
-``<run dir>/train.log`` with one thread (``OMP_NUM_THREADS=1``).
+``<run dir>/train.log`` and starts on one thread (``ZCVAE_START_THREADS=1``), then follows the cores the
+others leave free.
 """
 
 from __future__ import annotations
@@ -192,13 +193,18 @@ def _start(run: Run, *, one_at_a_time: bool, progress_bar: bool) -> tuple[subpro
     """One ``zcvae train`` process for ``run``, with the same arguments as its SLURM script.
 
     ``one_at_a_time``: it writes to this terminal and picks its thread count itself; else it logs to
-    ``<run dir>/train.log`` with one thread."""
+    ``<run dir>/train.log`` and starts on one thread."""
     args = train_command(run, progress_bar=progress_bar and one_at_a_time)
     if one_at_a_time:
         return subprocess.Popen(args), None
     run_dir = Path(run.params["output_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     handle = open(run_dir / TRAIN_LOG, "a", encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # one thread to start with, so that runs started together do not each take every core; each then
+    # follows the cores the others leave free (zcvae.distributed.cpu_threads), so the last runs of a
+    # sweep use the cores the finished ones left. A user's OMP_NUM_THREADS still fixes the count.
+    from zcvae.distributed import START_THREADS_ENV  # torch, only once a run starts
+
+    env = {START_THREADS_ENV: "1", **os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env), handle
 

@@ -28,7 +28,7 @@ from zcvae._version import __version__
 from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at, resolve_scale_factors, train_run_name
 from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
 from zcvae.data.dataset import load_splits, passes_over_data
-from zcvae.distributed import dist_info, flush_denormals, free_cpu_cores, init_distributed
+from zcvae.distributed import cpu_threads, dist_info, flush_denormals, init_distributed
 from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
 from zcvae.runs.lock import LOCK_FILE, RunLock
 from zcvae.train.faults import fault_injection_from_env
@@ -164,7 +164,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     from zcvae.reference.provider import ReferenceProvider
 
     # 1. processes, seeds, run directory
-    info, cpu, say = _start_processes(log)
+    info, cpu, follower, say = _start_processes(log)
     seed_everything(cfg.optimization.seed)
     if cfg.run.run_name is None:  # a copy: the caller's config stays as given
         cfg = cfg.replace(run_name=train_run_name(cfg.to_dict()))
@@ -208,29 +208,23 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     final = _run_loop(cfg, engine=engine, model=model, data=data, peak_lrs=peak_lrs,
                       group_names=[g["name"] for g in groups], reference=reference, checkpoints=checkpoints,
                       start_step=0 if state is None else state["step"], world_size=info.world_size, is_main=info.rank == 0,
-                      signals=signals, say=say)
+                      signals=signals, follower=follower, say=say)
     _finish(cfg, final, run_dir=run_dir, is_main=info.rank == 0, say=say)
     return final
 
 
 def _start_processes(log):
-    """Start the process group, set the CPU threads; returns (dist info, the cpu record, rank 0's log)."""
+    """Start the process group, set the CPU threads; returns (dist info, the cpu record, the thread follower or
+    None, rank 0's log)."""
     # No group at world size 1 yet: the engines that need one even alone start it themselves.
     info = init_distributed()
     is_main = info.rank == 0
     flushes = flush_denormals(log=log if is_main else None)
-    threads_from = "torch default"
-    if info.device.type == "cpu":
-        if "OMP_NUM_THREADS" in os.environ:
-            threads_from = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
-        else:
-            # OpenMP threads sharing a busy core spin-wait on each other: on 2 loaded cores a CVAE step
-            # with 2 threads ran up to 10x slower than with 1 (torchrun sets OMP_NUM_THREADS=1 itself).
-            torch.set_num_threads(free_cpu_cores())
-            threads_from = "free cores (/proc/stat)"
+    # ranks of one job keep their count (torchrun sets OMP_NUM_THREADS=1 anyway); one process follows the free cores
+    follower, threads_from = cpu_threads(follow=info.world_size == 1) if info.device.type == "cpu" else (None, "torch default")
     cpu = {"flush_denormals": flushes, "num_threads": torch.get_num_threads(), "num_threads_from": threads_from}
     say = log if is_main else (lambda *a, **k: None)
-    return info, cpu, say
+    return info, cpu, follower, say
 
 
 @dataclasses.dataclass
@@ -314,7 +308,7 @@ def _open_checkpoints(cfg: TrainConfig, *, engine, reference, allow_changes, is_
 
 
 def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, group_names, reference, checkpoints, start_step: int,
-              world_size: int, is_main: bool, signals, say) -> dict[str, float]:
+              world_size: int, is_main: bool, signals, follower, say) -> dict[str, float]:
     """The step loop with the CVAE objective, evaluating every ``eval_every`` steps and at the end."""
     from zcvae.eval.evaluation import evaluate
 
@@ -338,7 +332,7 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
         engine=engine, objective=objective, settings=loop_settings(cfg), num_examples=len(data.train_enc),
         peak_lrs=peak_lrs, group_names=group_names, lr_factor=lambda step: lr_factor_at(cfg, step),
         start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": cfg, "c_base": reference.c_base},
-        evaluate=run_eval, logger=logger, signals=signals, log=say,
+        evaluate=run_eval, logger=logger, signals=signals, log=say, cpu_threads=follower,
     )
     logger.hparams(cfg, final)
     logger.close()
