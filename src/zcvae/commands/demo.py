@@ -52,9 +52,10 @@ DEMO_ARMS: tuple[tuple[str, dict], ...] = (
                         "micro_batch_size": DEMO_BUDGET["control_micro_batch_size"]}),
     ("default", {**load_config_file(DEFAULT_PRESET), "micro_batch_size": DEMO_BUDGET["micro_batch_size"]}),
 )
-# Runs at once, one thread each. Two: the default (the longest) starts first on one core and the two
-# controls follow each other on the other (_run_and_tabulate starts the largest budget first), so neither
-# core idles; three at once would share two cores three ways and end later.
+# Runs at once, each starting on one thread. Two: the default (the longest) starts first on one core and the two
+# controls follow each other on the other (_run_and_tabulate starts the largest budget first); once they are done
+# the default takes the freed core too (zcvae.distributed.CoreFollower: 1.6x its one-thread speed), so neither core
+# idles. Three at once would share two cores three ways and end later.
 DEMO_JOBS = 2
 
 # Chosen from the CPU prototype of this CVAE: a delayed then ramped KL, LoRA 1e-3, latents 1e-2.
