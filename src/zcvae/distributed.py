@@ -206,10 +206,27 @@ def flush_denormals(*, log=None) -> bool:
     return supported
 
 
+def _affinity() -> set[int]:
+    """The CPU ids this process may run on."""
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def _available_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+    return max(1, len(_affinity()))
+
+
+def _free_of(cores: int, busy: float) -> int:
+    """Cores left free when ``busy`` cores are taken, at least 1."""
+    return _free_of(cores, busy)
+
+
+def _busy_between(before, after, cpus) -> float:
+    """Busy cores (0..len(cpus)) between two ``_cpu_times`` readings."""
+    busy = 0.0
+    for cpu in cpus:
+        d_idle, d_total = after[cpu][0] - before[cpu][0], after[cpu][1] - before[cpu][1]
+        busy += 0.0 if d_total <= 0 else 1.0 - d_idle / d_total
+    return busy
 
 
 def _cpu_times(cpus) -> dict[int, tuple[int, int]] | None:
@@ -232,9 +249,7 @@ def _cpu_times(cpus) -> dict[int, tuple[int, int]] | None:
 def busy_cpu_cores(interval: float = 0.2) -> float | None:
     """Cores of this process's affinity set busy over the next ``interval`` seconds (0..cores), from
     /proc/stat; None where it cannot be read (then callers fall back to the load average)."""
-    import time
-
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cpus = _affinity()
     before = _cpu_times(cpus)
     if before is None:
         return None
@@ -242,11 +257,7 @@ def busy_cpu_cores(interval: float = 0.2) -> float | None:
     after = _cpu_times(cpus)
     if after is None:
         return None
-    busy = 0.0
-    for cpu in cpus:
-        d_idle, d_total = after[cpu][0] - before[cpu][0], after[cpu][1] - before[cpu][1]
-        busy += 0.0 if d_total <= 0 else 1.0 - d_idle / d_total
-    return busy
+    return _busy_between(before, after, cpus)
 
 
 def free_cpu_cores(*, interval: float = 0.2) -> int:
@@ -281,7 +292,7 @@ class CoreFollower:
     """
 
     def __init__(self):
-        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        self.cpus = _affinity()
         self._last = self._snapshot()
 
     def _snapshot(self):
@@ -295,17 +306,13 @@ class CoreFollower:
         wall = t_after - t_before
         if before is None or after is None or wall <= 0:
             return None
-        busy = 0.0
-        for cpu in self.cpus:
-            d_idle, d_total = after[cpu][0] - before[cpu][0], after[cpu][1] - before[cpu][1]
-            busy += 0.0 if d_total <= 0 else 1.0 - d_idle / d_total
-        return max(0.0, busy - (own_after - own_before) / wall)
+        return max(0.0, _busy_between(before, after, self.cpus) - (own_after - own_before) / wall)
 
     def update(self) -> int:
         """Set the thread count to the cores the others left free (at least 1); returns it."""
         others = self.others_busy()
         if others is not None:
-            threads = max(1, min(len(self.cpus), len(self.cpus) - int(others + 0.5)))
+            threads = _free_of(len(self.cpus), others)
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         return torch.get_num_threads()
