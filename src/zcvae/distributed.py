@@ -217,7 +217,7 @@ def _available_cores() -> int:
 
 def _free_of(cores: int, busy: float) -> int:
     """Cores left free when ``busy`` cores are taken, at least 1."""
-    return _free_of(cores, busy)
+    return max(1, min(cores, cores - int(busy + 0.5)))
 
 
 def _busy_between(before, after, cpus) -> float:
@@ -276,7 +276,7 @@ def free_cpu_cores(*, interval: float = 0.2) -> int:
             busy = os.getloadavg()[0]
         except (AttributeError, OSError):
             busy = 0.0
-    return max(1, min(cores, cores - int(busy + 0.5)))
+    return _free_of(cores, busy)
 
 
 class CoreFollower:
