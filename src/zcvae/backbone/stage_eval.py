@@ -7,13 +7,16 @@ Shape legend: B batch, T sequence length, V vocabulary; decoding: R rows, L prom
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 import torch
+from transformers import DynamicCache
 
 from zcvae.backbone.stage_data import span_nll
-from zcvae.model.decoding import greedy_decode
+from zcvae.model import hf_compat
+from zcvae.model.decoding import KVCache, greedy_decode
 from zcvae.templates import EncodedExample, TemplateLayout, TemplateTokens, collate
 
 TEMPLATES = ("zfree", "znull")
@@ -133,8 +136,21 @@ def generate_y(
     if max_new_tokens is None:
         max_new_tokens = max_length
 
-    def next_logits(ids_RL: torch.Tensor, mask_RL: torch.Tensor) -> torch.Tensor:
-        logits_RLV = model(input_ids=ids_RL, attention_mask=mask_RL, use_cache=False).logits
+    cache_key = hf_compat.lm_cache_kwarg(model)
+    use_cache = not hf_compat.layer_checkpointing_active(model)  # transformers drops a cache in checkpointed layers
+
+    def next_logits(ids_RL: torch.Tensor, mask_RL: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if cache.started:  # one new token per row on the kept keys and values
+            ids_R1, position_R1, mask_RC = cache.advance(ids_RL, mask_RL)
+            out = model(input_ids=ids_R1, attention_mask=mask_RC, position_ids=position_R1, use_cache=True, **{cache_key: cache.past[0]})
+            return out.logits[:, -1]
+        kv = {}
+        if use_cache:
+            cache.past[0] = DynamicCache()
+            kv = {cache_key: cache.past[0]}
+        logits_RLV = model(input_ids=ids_RL, attention_mask=mask_RL, use_cache=use_cache, **kv).logits
+        if use_cache:
+            cache.start(mask_RL)
         last_R = mask_RL.sum(1) - 1  # right padding: each row's last real token
         return logits_RLV[torch.arange(ids_RL.shape[0], device=ids_RL.device), last_R]
 
@@ -146,7 +162,8 @@ def generate_y(
         # room left for y, </y> and <eos> within max_length
         num_steps = max(1, min(max_new_tokens, max_length - length - 1))
         generated, _, _ = greedy_decode(
-            next_logits, [prompts[i] for i in rows], num_steps=num_steps, stop_id=tokens.y_close, pad_id=tokens.pad,
+            functools.partial(next_logits, cache=KVCache()), [prompts[i] for i in rows], num_steps=num_steps,
+            stop_id=tokens.y_close, pad_id=tokens.pad,
             device=device, lock_step=False, choose_next=None if generator is None else draw,
         )
         for i, y_ids in zip(rows, generated):

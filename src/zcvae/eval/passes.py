@@ -17,7 +17,7 @@ import torch
 
 from zcvae.core.objective import AuxiliaryWeights, per_example_objective
 from zcvae.eval.records import DecodeRecord, ExampleRecord
-from zcvae.model.decoding import greedy_decode
+from zcvae.model.decoding import KVCache, greedy_decode
 from zcvae.templates import EncodedExample, TemplateLayout, TemplateTokens, collate
 
 __all__ = ["decode_length", "decode_pass", "example_pass"]
@@ -140,11 +140,18 @@ def decode_pass(*, engine, model, cfg, val, latents, mu_by_index, indices, keep,
         else:
             kwargs["latent_index"] = torch.tensor(latent_R, dtype=torch.long, device=engine.device)
 
+        cache = KVCache()  # the prompts once, then one token per row per forward
+
         def next_logits(ids_RL, mask_RL):
-            return engine.module(None, mode="decode", input_ids=ids_RL, attention_mask=mask_RL, **kwargs)
+            return engine.module(None, mode="decode", input_ids=ids_RL, attention_mask=mask_RL, cache=cache, **kwargs)
+
+        def all_stopped(here: bool) -> bool:
+            flag = torch.tensor([1.0 if here else 0.0], device=engine.device)
+            return bool(engine.all_reduce(flag, op="min").item() == 1.0)
 
         generated, closed, _ = greedy_decode(
-            next_logits, prompts, num_steps=num_steps, stop_id=tokens.y_close, pad_id=tokens.pad, device=engine.device
+            next_logits, prompts, num_steps=num_steps, stop_id=tokens.y_close, pad_id=tokens.pad, device=engine.device,
+            all_stopped=all_stopped,
         )
         for (i, latent, k), gen, ok in zip(owners, generated, closed):
             if k:

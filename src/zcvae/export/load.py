@@ -257,9 +257,9 @@ def decode_greedy(model, x_ids, *, latent_index=None, z=None, max_new_tokens: in
     """Greedy y token ids (without ``</y>``) for x, one row per latent.
 
     ``latent_index`` (R,) long for the discrete latent, ``z`` (R, D) for the Gaussian one. Uses the
-    model's "decode" mode (a full recompute per token: exports are for inspection, not serving).
+    model's "decode" mode with a key/value cache (the prompt once, then one token per forward).
     """
-    from zcvae.model.decoding import greedy_decode
+    from zcvae.model.decoding import KVCache, greedy_decode
     from zcvae.templates import TemplateLayout
 
     t = model.tokens
@@ -271,8 +271,10 @@ def decode_greedy(model, x_ids, *, latent_index=None, z=None, max_new_tokens: in
     slot_R = torch.full((rows,), layout.z_slot_start(len(x_ids)), device=device)
     kw = {"latent_index": latent_index.to(device)} if latent_index is not None else {"z": z.to(device)}
 
+    cache = KVCache()
+
     def next_logits(ids_RL, mask_RL):
-        return model.decode(input_ids=ids_RL, attention_mask=mask_RL, slot_start=slot_R, **kw)
+        return model.decode(input_ids=ids_RL, attention_mask=mask_RL, slot_start=slot_R, cache=cache, **kw)
 
     prompts = [layout.zcond_prompt(x_ids, t)] * rows
     generated, _, _ = greedy_decode(next_logits, prompts, num_steps=max_new_tokens, stop_id=(t.y_close, t.eos),

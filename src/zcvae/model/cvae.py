@@ -43,11 +43,13 @@ from typing import Literal, overload
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from zcvae.core.latent import categorical_kl, entropy, gaussian_entropy, gaussian_kl, inter_latent_divergence
 from zcvae.core.losses import gather_span, supervised_token_nll, token_nll
 from zcvae.model import branches, build, hf_compat, prefix as shared
 from zcvae.model.config import POSTERIOR_POOLING, ModelConfig
+from zcvae.model.decoding import KVCache
 from zcvae.templates import Batch, TemplateTokens
 
 __all__ = ["CVAEOutput", "MODES", "ZCVAE", "posterior_state"]
@@ -278,13 +280,15 @@ class ZCVAE(nn.Module):
         slot_start: torch.Tensor | None = None,
         latent_index: torch.Tensor | None = None,
         z: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Next-token logits (R, V), float32, at the last attended position of each row.
 
         ``input_ids``/``attention_mask`` (R, S), right-padded; ``slot_start`` (R,) and ``latent_index``
         (R,) long (discrete) or ``z`` (R, D) (Gaussian); with neither, the rows are decoded as given.
-        A full recompute per call (no KV cache): the evaluation calls it a fixed number of times so
-        every rank runs the same number of forwards.
+        ``cache`` None: a full recompute. A ``KVCache`` (one per ``greedy_decode`` call): the first
+        call runs the prompts whole, with the latent, and keeps the keys and values; each later call
+        runs only the token each row has gained since (``KVCache.advance``), with the same logits.
         """
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids and attention_mask must both be [R, S], got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
@@ -295,22 +299,44 @@ class ZCVAE(nn.Module):
         if z is not None and self.config.latent_type != "continuous":
             raise ValueError("z is for the Gaussian latent; pass latent_index for the discrete one")
         R, S = input_ids.shape
+        if latent_index is not None and self.config.latent_type != "discrete":
+            raise ValueError("latent_index is for the discrete latent; pass z for the Gaussian one")
+        if cache is not None and hf_compat.layer_checkpointing_active(self.peft_model):
+            cache = None  # transformers drops a writable cache inside checkpointed layers: recompute
+        if cache is not None and cache.started:  # the latent is in the cached prompt already
+            return self._decode_cached(input_ids, attention_mask, cache)
         if latent_index is not None:
-            if self.config.latent_type != "discrete":
-                raise ValueError("latent_index is for the discrete latent; pass z for the Gaussian one")
             input_ids = branches.write_latent(input_ids, slot_start, latent_index, latent_slots=self.tokens.latent_slots)
         positions = torch.arange(S, device=input_ids.device)
         last_R = (attention_mask.long() * positions).argmax(1)  # last position with mask 1
         with torch.no_grad():
             parts = []
             for c in branches.chunks(R, self.config.branch_chunk_size):
+                kv = {}
+                if cache is not None:
+                    cache.past[c.start] = DynamicCache()
+                    kv = {hf_compat.cache_kwarg(self._hf_forward_params): cache.past[c.start], "use_cache": True}
                 if z is not None:
                     embeds = self._slot_embeds(input_ids[c], slot_start[c], z[c].to(input_ids.device))
-                    logits = self._lm(inputs_embeds=embeds, attention_mask=attention_mask[c], logits=True).logits
+                    logits = self._lm(inputs_embeds=embeds, attention_mask=attention_mask[c], logits=True, **kv).logits
                 else:
-                    logits = self._lm(input_ids=input_ids[c], attention_mask=attention_mask[c], logits=True).logits
+                    logits = self._lm(input_ids=input_ids[c], attention_mask=attention_mask[c], logits=True, **kv).logits
                 rows = torch.arange(logits.shape[0], device=logits.device)
                 parts.append(logits[rows, last_R[c]].float())  # (r, V)
+        if cache is not None:
+            cache.start(attention_mask)
+        return torch.cat(parts, 0)
+
+    def _decode_cached(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """A cached decode's later call: one new column per row on the kept keys and values -> logits_RV."""
+        ids_R1, position_R1, mask_RC = cache.advance(input_ids, attention_mask)
+        key = hf_compat.cache_kwarg(self._hf_forward_params)
+        with torch.no_grad():
+            parts = []
+            for c in branches.chunks(input_ids.shape[0], self.config.branch_chunk_size):
+                out = self._lm(input_ids=ids_R1[c], attention_mask=mask_RC[c], position_ids=position_R1[c], logits=True,
+                               use_cache=True, **{key: cache.past[c.start]})
+                parts.append(out.logits[:, -1].float())  # (r, V)
         return torch.cat(parts, 0)
 
     # ------------------------------------------------------------------------------------------

@@ -20,15 +20,19 @@ def greedy_decode(
     pad_id: int,
     device: torch.device | str = "cpu",
     lock_step: bool = True,
+    all_stopped: Callable[[bool], bool] | None = None,
     choose_next: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[list[int]], list[bool], int]:
     """Greedy continuation of right-padded prompts for at most ``num_steps`` forwards.
 
     ``next_logits(input_ids_RL, attention_mask_RL) -> logits_RV`` scores the next token after each
     row's last attended position. A row stops growing after a stop token (``stop_id``: one id or a
-    collection). ``lock_step=True``: the forwards go on for all ``num_steps`` (so every rank calls the
-    model as often, whatever its rows do: evaluation); ``lock_step=False``: stop as soon as every row
-    has stopped (one process: export's generate). ``choose_next(logits_RV) -> ids_R`` picks every
+    collection). ``lock_step=True``: every rank runs the same forwards, whatever its rows do
+    (evaluation: a sharded model's forwards are collectives): all ``num_steps`` of them, or, with
+    ``all_stopped``, until every rank's rows have stopped: after each forward every rank calls
+    ``all_stopped(its own rows have all stopped) -> every rank's have`` (a collective, an all-reduce),
+    so all ranks stop after the same forward. ``lock_step=False``: stop as soon as this call's rows
+    have stopped (one process: export's generate). ``choose_next(logits_RV) -> ids_R`` picks every
     row's next token (stopped rows included, their pick is dropped): argmax (greedy) when None; the
     backbone's pretraining report passes a draw from the softmax for its sampled decode. Returns the generated ids of each row without the
     stop token, whether the row emitted one, and the number of forwards run.
@@ -51,6 +55,9 @@ def greedy_decode(
     for _ in range(num_steps):
         if not lock_step and bool(done_R.all()):
             break
+        # no call before the first forward, so every rank makes the same calls
+        if lock_step and all_stopped is not None and num_forwards > 0 and all_stopped(bool(done_R.all())):
+            break
         cur = int(len_R.max())  # every row fits: len <= prompt + steps so far
         mask_RL = (positions_L[:cur][None, :] < len_R[:, None]).long()
         logits_RV = next_logits(ids_RL[:, :cur], mask_RL)
@@ -69,3 +76,49 @@ def greedy_decode(
         generated.append(row[:-1] if stopped else row)
         closed.append(stopped)
     return generated, closed, num_forwards
+
+
+class KVCache:
+    """The key/value state that lets ``greedy_decode``'s ``next_logits`` feed only the new tokens.
+
+    The caller makes one per ``greedy_decode`` call and passes it to every ``next_logits`` call
+    (``ZCVAE.decode(cache=...)``, the backbone's pretraining report). The first call runs the
+    right-padded prompts whole and keeps the LM's caches (one per row chunk, in ``past``); each later
+    call appends one column: every row's newest token at its own position, or, for a row that did not
+    grow (it stopped), a masked slot. ``mask_RC`` is the attention mask over the C cached columns, pad
+    holes and all, so a row attends exactly its own tokens and the logits equal a full recompute.
+
+    A plain class, not a dataclass: the engines' wrappers (DDP, FSDP2) rebuild dataclass arguments on
+    their way to the device, and the model must fill the caller's object.
+    """
+
+    def __init__(self) -> None:
+        self.past: dict[int, object] = {}  # chunk start row -> that chunk's Hugging Face cache
+        self.mask_RC: torch.Tensor | None = None
+        self.len_R: torch.Tensor | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.len_R is not None
+
+    def start(self, attention_mask_RL: torch.Tensor) -> None:
+        """Record the prompts' mask after the first (whole-prompt) forward."""
+        self.mask_RC = attention_mask_RL.long()
+        self.len_R = attention_mask_RL.long().sum(1)
+
+    def advance(self, input_ids_RL: torch.Tensor, attention_mask_RL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next forward's inputs from ``greedy_decode``'s rows -> (ids_R1, position_ids_R1, mask_RC).
+
+        Each row has grown by one token (live) or by none (stopped) since the previous call."""
+        if not self.started:
+            raise ValueError("KVCache.advance before the first forward: call start() with the prompts' mask")
+        len_R = attention_mask_RL.long().sum(1)
+        grew_R = len_R - self.len_R
+        if bool(((grew_R < 0) | (grew_R > 1)).any()):
+            raise ValueError("KVCache: every row must grow by at most one token per call (a cached decode "
+                             "continues the rows it started with)")
+        last_R1 = (len_R - 1)[:, None]
+        ids_R1 = input_ids_RL.gather(1, last_R1)  # a stopped row repeats its last token, masked below
+        self.mask_RC = torch.cat([self.mask_RC, grew_R[:, None]], 1)
+        self.len_R = len_R
+        return ids_R1, last_R1, self.mask_RC

@@ -38,6 +38,7 @@ __all__ = [
     "forward_parameter_names",
     "layer_checkpointing_active",
     "layer_checkpointing_off",
+    "lm_cache_kwarg",
     "recorded_kv",
     "replay_safe_cache",
 ]
@@ -178,6 +179,19 @@ def checkpointing_layers(hf: nn.Module) -> bool:
 def forward_parameter_names(module: nn.Module) -> frozenset[str]:
     """Parameter names of ``module.forward`` (call it once: inspect is slow per step)."""
     return frozenset(inspect.signature(module.forward).parameters)
+
+
+def lm_cache_kwarg(model: nn.Module) -> str:
+    """The cache keyword of the Hugging Face LM inside ``model``, through the engines' wrappers
+    (DDP, DeepSpeed: ``.module``) and peft (``get_base_model``), whose forwards take ``**kwargs``."""
+    inner = model
+    while True:
+        if hasattr(inner, "get_base_model"):
+            inner = inner.get_base_model()
+        elif isinstance(getattr(inner, "module", None), nn.Module):
+            inner = inner.module
+        else:
+            return cache_kwarg(forward_parameter_names(inner))
 
 
 def cache_kwarg(forward_params: frozenset[str]) -> str:

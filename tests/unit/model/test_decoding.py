@@ -42,3 +42,28 @@ def test_choose_next_replaces_the_argmax_and_sees_every_row():
     # the argmax would be last + 1; the pick is last + 3 (mod 10)
     assert generated == [[4, 7, 0], [7, 0, 3]] and closed == [False, False]
     assert seen == [2, 2, 2]  # one call per forward, on all rows
+
+
+def test_lock_step_with_all_stopped_ends_when_every_rank_has_stopped():
+    V, pad = 12, 0
+    prompts = [[3], [7, 7], [9]]  # this rank's rows have all stopped after 5 forwards
+    kw = dict(num_steps=10, stop_id=(8, 11), pad_id=pad, lock_step=True)
+    calls = []
+
+    def only_here(here):  # one rank: its rows are every rank's rows
+        calls.append(here)
+        return here
+
+    alone = greedy_decode(_count_up(V), prompts, all_stopped=only_here, **kw)
+    assert alone == ([[4, 5, 6, 7], [], [10]], [True, True, True], 5)
+    assert calls == [False, False, False, False, True]  # once after each forward, none before the first
+
+    rank_two_stops_after = 7  # another rank's slowest row: this rank keeps stepping with it, writing nothing
+
+    def with_a_slower_rank(here):
+        calls.append(here)
+        return here and len(calls) >= rank_two_stops_after
+
+    calls.clear()
+    waiting = greedy_decode(_count_up(V), prompts, all_stopped=with_a_slower_rank, **kw)
+    assert waiting == ([[4, 5, 6, 7], [], [10]], [True, True, True], rank_two_stops_after)
