@@ -31,9 +31,10 @@ What is measured (one pass over the validation set, then greedy decoding of a pr
 * Discrete latents: ``eval.metrics.discrete_latent_metrics`` on q(z|x,y) and p(z|x) of every example.
   Gaussian: ``eval.metrics.gaussian_latent_metrics`` on the posterior means (active units with
   ``delta = ACTIVE_UNITS_DELTA``, KL to N(0, I), NMI/ARI of k-means of the means vs the strategy).
-* Decoding, on the first ``cfg.evaluation.num_eval_decode_examples`` validation x: greedy, a fixed number of
-  steps (``cfg.evaluation.max_new_tokens``, or the longest validation y + 2) in lock-step on every rank, each row
-  stopping at ``</y>`` (a stopped row still runs the forwards, so no rank leaves the loop early).
+* Decoding, on the first ``cfg.evaluation.num_eval_decode_examples`` validation x: greedy, at most
+  ``cfg.evaluation.max_new_tokens`` steps (or the longest validation y + 2) in lock-step on every rank, each row
+  stopping at ``</y>`` (a stopped row still runs the forwards, and the loop ends only once every rank's rows have
+  stopped, so no rank leaves it early), with a key/value cache: the prompts once, then one token per row.
   Discrete latent: every latent k is decoded for every x, with or without a parser.
   ``control/distinct_outputs`` is the fraction of those x whose decodes differ across the latents
   (``eval.metrics.distinct_outputs``; no parser needed). With a task parser, controllability:
