@@ -182,6 +182,16 @@ def test_demo_backbone_runs_the_families_key_arms():
         assert demo[key] == shipped[key], key
 
 
+def test_real_lm_default_family_is_the_copy_study_without_an_objective(tmp_path):
+    """real-lm-default.yaml builds the copy study's stage (so both share one reference) and runs its base with no
+    objective, so each run is the default preset."""
+    copy = load_family(ROOT / "launch" / "families" / "real-lm-copy.yaml")
+    default = load_family(ROOT / "launch" / "families" / "real-lm-default.yaml")
+    assert default["pretrain"] == copy["pretrain"] and default["base"] == copy["base"] and "objective" not in default["base"]
+    runs = local_plan(default, output_dir=tmp_path)
+    assert len(runs) == 3 and all("objective" not in r.params for r in runs)
+
+
 def test_late_family_arm_is_the_shipped_recipe():
     recipe = yaml.safe_load((ROOT / "launch" / "configs" / "late-decisions.yaml").read_text())
     fam = load_family(ROOT / "launch" / "families" / "real-lm-late.yaml")
