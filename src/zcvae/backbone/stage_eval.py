@@ -12,7 +12,6 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
 
 from zcvae.backbone.stage_data import span_nll
 from zcvae.model import hf_compat
@@ -142,13 +141,9 @@ def generate_y(
     def next_logits(ids_RL: torch.Tensor, mask_RL: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if cache.started:  # one new token per row on the kept keys and values
             ids_R1, position_R1, mask_RC = cache.advance(ids_RL, mask_RL)
-            out = model(input_ids=ids_R1, attention_mask=mask_RC, position_ids=position_R1, use_cache=True, **{cache_key: cache.past[0]})
-            return out.logits[:, -1]
-        kv = {}
-        if use_cache:
-            cache.past[0] = DynamicCache()
-            kv = {cache_key: cache.past[0]}
-        logits_RLV = model(input_ids=ids_RL, attention_mask=mask_RL, use_cache=use_cache, **kv).logits
+            return model(input_ids=ids_R1, attention_mask=mask_RC, position_ids=position_R1, **cache.kwargs(0, cache_key)).logits[:, -1]
+        kv = cache.open(0, cache_key) if use_cache else {"use_cache": False}
+        logits_RLV = model(input_ids=ids_RL, attention_mask=mask_RL, **kv).logits
         if use_cache:
             cache.start(mask_RL)
         last_R = mask_RL.sum(1) - 1  # right padding: each row's last real token

@@ -43,7 +43,6 @@ from typing import Literal, overload
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from zcvae.core.latent import categorical_kl, entropy, gaussian_entropy, gaussian_kl, inter_latent_divergence
 from zcvae.core.losses import gather_span, supervised_token_nll, token_nll
@@ -301,10 +300,10 @@ class ZCVAE(nn.Module):
         R, S = input_ids.shape
         if latent_index is not None and self.config.latent_type != "discrete":
             raise ValueError("latent_index is for the discrete latent; pass z for the Gaussian one")
-        if cache is not None and hf_compat.layer_checkpointing_active(self.peft_model):
-            cache = None  # transformers drops a writable cache inside checkpointed layers: recompute
         if cache is not None and cache.started:  # the latent is in the cached prompt already
             return self._decode_cached(input_ids, attention_mask, cache)
+        if cache is not None and hf_compat.layer_checkpointing_active(self.peft_model):
+            cache = None  # transformers drops a writable cache inside checkpointed layers: recompute every call
         if latent_index is not None:
             input_ids = branches.write_latent(input_ids, slot_start, latent_index, latent_slots=self.tokens.latent_slots)
         positions = torch.arange(S, device=input_ids.device)
@@ -312,10 +311,7 @@ class ZCVAE(nn.Module):
         with torch.no_grad():
             parts = []
             for c in branches.chunks(R, self.config.branch_chunk_size):
-                kv = {}
-                if cache is not None:
-                    cache.past[c.start] = DynamicCache()
-                    kv = {hf_compat.cache_kwarg(self._hf_forward_params): cache.past[c.start], "use_cache": True}
+                kv = {} if cache is None else cache.open(c.start, hf_compat.cache_kwarg(self._hf_forward_params))
                 if z is not None:
                     embeds = self._slot_embeds(input_ids[c], slot_start[c], z[c].to(input_ids.device))
                     logits = self._lm(inputs_embeds=embeds, attention_mask=attention_mask[c], logits=True, **kv).logits
@@ -335,7 +331,7 @@ class ZCVAE(nn.Module):
             parts = []
             for c in branches.chunks(input_ids.shape[0], self.config.branch_chunk_size):
                 out = self._lm(input_ids=ids_R1[c], attention_mask=mask_RC[c], position_ids=position_R1[c], logits=True,
-                               use_cache=True, **{key: cache.past[c.start]})
+                               **cache.kwargs(c.start, key))
                 parts.append(out.logits[:, -1].float())  # (r, V)
         return torch.cat(parts, 0)
 

@@ -101,6 +101,17 @@ class KVCache:
     def started(self) -> bool:
         return self.len_R is not None
 
+    def open(self, chunk: int, cache_kwarg: str) -> dict:
+        """A fresh Hugging Face cache for the rows from ``chunk`` on -> the prompt forward's cache keywords."""
+        from transformers import DynamicCache
+
+        self.past[chunk] = DynamicCache()
+        return self.kwargs(chunk, cache_kwarg)
+
+    def kwargs(self, chunk: int, cache_kwarg: str) -> dict:
+        """The cache keywords of a forward on the rows from ``chunk`` on (``cache_kwarg``: hf_compat.cache_kwarg)."""
+        return {cache_kwarg: self.past[chunk], "use_cache": True}
+
     def start(self, attention_mask_RL: torch.Tensor) -> None:
         """Record the prompts' mask after the first (whole-prompt) forward."""
         self.mask_RC = attention_mask_RL.long()
