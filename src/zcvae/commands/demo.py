@@ -13,9 +13,9 @@
 3. Print the aggregate table (seed groups as mean ± std) and where the TensorBoard logs are.
 
 ``zcvae demo --backbone DIR|FILE.gguf|smollm2`` does the same for a pretrained LM: its entangled stage
-on copy first (a raw LM has never seen the template), then the real-LM study's key arms, raw mean
-against ``raw+dist`` mean (:func:`real_lm_family`, the runs of ``launch/families/real-lm-copy.yaml``). It
-prints its expected time, from one timed step of the backbone, before it starts.
+on copy first (a raw LM has never seen the template), then raw mean against the default
+(:func:`real_lm_family`: the stage and base of ``launch/families/real-lm-copy.yaml`` and
+``real-lm-default.yaml``). It prints its expected time, from one timed step of the backbone, before it starts.
 
 What the table teaches (README, "What the demo prints"): the plain per-token mean loses z (the
 dilution argument, docs/objective.md#dilution); a normalized objective keeps z but, reading only the
@@ -71,14 +71,19 @@ QUICK_BASE = {**DEMO_BASE, "max_steps": 6, "num_train_examples": 64, "num_val_ex
 QUICK_MICRO_BATCH_SIZE = 8
 
 
-def demo_arm_columns(*, quick: bool = False) -> dict[str, list]:
-    """The arms as the columns of a family's ``zip``: every field any arm sets, with TrainConfig's
-    default where an arm leaves it (so each run is exactly the arm, and its name lists what differs);
-    ``quick``: every arm at the toy batch."""
+def arm_columns(arms: tuple[tuple[str, dict], ...], *, micro_batch_size: int | None = None) -> dict[str, list]:
+    """``arms`` ((label, fields) pairs) as the columns of a family's ``zip``: every field any arm sets, with
+    TrainConfig's default where an arm leaves it (so each run is exactly the arm, and its name lists what
+    differs); ``micro_batch_size``: every arm at that batch (the quick demo's toy size)."""
     defaults = field_defaults()
-    arms = [{**fields, "micro_batch_size": QUICK_MICRO_BATCH_SIZE} if quick else fields for _, fields in DEMO_ARMS]
-    keys = sorted({k for fields in arms for k in fields})
-    return {k: [fields.get(k, defaults[k]) for fields in arms] for k in keys}
+    fields_per_arm = [{**fields, "micro_batch_size": micro_batch_size} if micro_batch_size else fields for _, fields in arms]
+    keys = sorted({k for fields in fields_per_arm for k in fields})
+    return {k: [fields.get(k, defaults[k]) for fields in fields_per_arm] for k in keys}
+
+
+def demo_arm_columns(*, quick: bool = False) -> dict[str, list]:
+    """The tiny demo's arms as zip columns; ``quick``: every arm at the toy batch."""
+    return arm_columns(DEMO_ARMS, micro_batch_size=QUICK_MICRO_BATCH_SIZE if quick else None)
 
 
 def demo_family(*, backbone: str, task: str = DEMO_TASK, seeds: int, quick: bool = False) -> dict:
@@ -92,15 +97,19 @@ def demo_family(*, backbone: str, task: str = DEMO_TASK, seeds: int, quick: bool
 
 
 # ---- a real pretrained LM (`zcvae demo --backbone`) ------------------------------------------------------
-# The key arms of the real-LM study (launch/families/real-lm-copy.yaml, a test keeps the two equal): the
-# entangled stage on copy, then raw mean (the collapse control) against the no-flag default.
+# The real-LM studies' stage and base (launch/families/real-lm-copy.yaml and real-lm-default.yaml; a test keeps
+# them equal): the entangled stage on copy, then raw mean (the collapse control) against the no-flag default,
+# the default's fields spelled out as in the tiny demo (DEMO_ARMS).
 REAL_LM_TASK = "copy"
 REAL_LM_STAGE = {"max_steps": 200, "batch_size": 16, "warmup_steps": 20, "num_val_examples": 200,
                  "num_decode_examples": 32, "max_length": 64, "log_every": 10, "eval_every": 100}
 REAL_LM_BASE = {"task": REAL_LM_TASK, "num_latents": 2, "micro_batch_size": 8, "max_steps": 150, "num_val_examples": 100,
                 "num_eval_decode_examples": 16, "log_every": 10, "max_length": 64,
                 "reconstruction_loss_token_aggregation_mode": "mean"}
-REAL_LM_ARMS = ("raw", BEST_HYBRID)
+REAL_LM_ARMS: tuple[tuple[str, dict], ...] = (
+    ("raw mean", {"objective": "raw"}),
+    ("default", load_config_file(DEFAULT_PRESET)),
+)
 QUICK_REAL_LM_STAGE = {**REAL_LM_STAGE, "max_steps": 4, "batch_size": 8, "warmup_steps": 1, "num_train_examples": 64,
                        "num_val_examples": 16, "num_decode_examples": 4, "log_every": 2, "eval_every": 0}
 QUICK_REAL_LM_BASE = {**REAL_LM_BASE, "max_steps": 4, "micro_batch_size": 4, "num_train_examples": 64, "num_val_examples": 16,
@@ -114,7 +123,7 @@ def real_lm_family(*, backbone: str, seeds: int, quick: bool = False) -> dict:
         "pretrain": {**(QUICK_REAL_LM_STAGE if quick else REAL_LM_STAGE), "backbone": backbone},
         "base": dict(QUICK_REAL_LM_BASE if quick else REAL_LM_BASE),
         "grid": {"seed": list(range(seeds))},
-        "zip": [{"objective": list(REAL_LM_ARMS)}],
+        "zip": [arm_columns(REAL_LM_ARMS)],
     }
 
 
@@ -151,7 +160,7 @@ def expected_seconds(step_seconds: float, *, stage_batch: int, stage: dict | Non
 
 
 def run_real_lm_demo(*, backbone: str, output_dir: str, quick: bool, seeds: int, jobs: int, log=print) -> str:
-    """``zcvae demo --backbone``: the entangled stage, then the study's key arms, through the local sweep
+    """``zcvae demo --backbone``: the entangled stage, then raw mean and the default, through the local sweep
     runner (a finished stage and finished runs are reused, an unfinished run resumes)."""
     from zcvae.sweep.family import local_plan, stage_status
 
@@ -168,7 +177,7 @@ def run_real_lm_demo(*, backbone: str, output_dir: str, quick: bool, seeds: int,
         f"{family['pretrain']['batch_size']}; the entangled stage ~{budget['stage'] / 60:.0f} min"
         f"{'' if todo_stage else ' (already built)'}, each of {len(runs)} runs ~{budget['run'] / 60:.0f} min, {jobs} at a time)")
     log(f"[demo] 1/3 the entangled stage on {REAL_LM_TASK!r} -> {stage['output_dir']}; "
-        f"2/3 {len(runs)} runs: {', '.join(REAL_LM_ARMS)} mean, {seeds} seed(s) each")
+        f"2/3 {len(runs)} runs: {', '.join(label for label, _ in REAL_LM_ARMS)}, {seeds} seed(s) each")
     return _run_and_tabulate(runs, jobs=jobs, quick=quick, out=out, started=started, log=log,
                              heading="final validation metrics")
 

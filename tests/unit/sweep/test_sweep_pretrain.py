@@ -172,14 +172,23 @@ def test_shipped_real_lm_families_plan_with_their_stage(tmp_path, name):
     assert runs[0].pretrain["backbone"] == "smollm2"
 
 
-def test_demo_backbone_runs_the_families_key_arms():
-    """`zcvae demo --backbone` runs launch/families/real-lm-copy.yaml's stage and arms (one seed list aside)."""
+def test_demo_backbone_runs_the_real_lm_stage_with_raw_mean_and_the_default():
+    """`zcvae demo --backbone` builds the stage of launch/families/real-lm-copy.yaml and real-lm-default.yaml (so
+    the demo and the studies share one reference) and runs their base as raw mean and as the default preset."""
     from zcvae.commands.demo import real_lm_family
+    from zcvae.config import DEFAULT_OBJECTIVE, field_defaults, load_config_file
 
-    shipped = load_family(ROOT / "launch" / "families" / "real-lm-copy.yaml")
+    shipped = load_family(ROOT / "launch" / "families" / "real-lm-default.yaml")
     demo = real_lm_family(backbone="smollm2", seeds=3)
-    for key in ("pretrain", "base", "grid", "zip"):
+    for key in ("pretrain", "base", "grid"):
         assert demo[key] == shipped[key], key
+    (columns,) = demo["zip"]
+    raw, default = ({k: v[i] for k, v in columns.items()} for i in range(2))
+    assert (raw["objective"], default["objective"]) == ("raw", DEFAULT_OBJECTIVE)
+    assert all(default[k] == v for k, v in load_config_file("default").items())
+    # the raw arm is the plain raw term: every other column at TrainConfig's default
+    defaults = field_defaults()
+    assert all(raw[k] == defaults[k] for k in columns if k != "objective")
 
 
 def test_real_lm_default_family_is_the_copy_study_without_an_objective(tmp_path):
