@@ -41,6 +41,7 @@ from zcvae.runs.rundir import VERDICT, atomic_write_json, read_json
 __all__ = [
     "ALIGNED_NMI_RATIO",
     "GOLD_COLLAPSED_NMI",
+    "LONGER_RUN",
     "SUGGESTED_PRESET",
     "MERGE_MIN_SHARE",
     "MIN_DISTINCT_OUTPUTS",
@@ -75,6 +76,10 @@ SPLIT_MIN_SHARE = 0.1
 PURE_HOMOGENEITY = 0.95
 # A latent is in use above this share of all q mass: the threshold of num_used_latents (eval.metrics).
 USED_SHARE = 0.01
+# A collapsed run with every late-decision part on is pointed to this many times its steps: on add and search the
+# default collapsed at 300 steps, with q already along the strategies, because the decoder had not yet learned to
+# read the z slot when the 60% KL delay ended; at 900 it did (README, "Every family").
+LONGER_RUN = 3
 
 # What the verdict suggests for a run without the late-decision parts: the default run preset (zcvae.presets),
 # what `zcvae train` runs with no objective flag and `--config default` names (README, "The default").
@@ -206,8 +211,15 @@ def _collapse_step(config: Mapping[str, Any], num_latents: int) -> str:
                 f"the default (drop --objective raw and the weight flags: {DEFAULT_OBJECTIVE} in the default preset, --config default)")
     if not _late_recipe(config):
         return f"hold the KL at 0 longer and keep every latent in use: {_SUGGESTED}"
-    return (f"the late-decision parts are on already: train longer (--max-steps), with a larger batch, another --seed, "
-            f"or the sum-mode variant --config {SUM_MODE_PRESET}")
+    return (f"the late-decision parts are on already: train longer ({_longer(config)}: the KL delay is a share of the steps, "
+            f"and a decoder that has not learned to read the z slot when it ends loses z to the KL), then a larger batch, "
+            f"another --seed, or the sum-mode variant --config {SUM_MODE_PRESET}")
+
+
+def _longer(config: Mapping[str, Any]) -> str:
+    """``--max-steps`` at LONGER_RUN x the run's steps (the bare flag when the config has none)."""
+    steps = config.get("max_steps")
+    return f"--max-steps {LONGER_RUN * steps}" if isinstance(steps, int) and steps > 0 else "--max-steps"
 
 
 def _merge_step(config: Mapping[str, Any], num_latents: int, num_strategies: int | None) -> str:

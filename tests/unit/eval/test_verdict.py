@@ -16,6 +16,7 @@ from zcvae.config import DEFAULT_OBJECTIVE, TrainConfig
 from zcvae.eval.evaluation import summarize
 from zcvae.eval.records import DecodeRecord, ExampleRecord
 from zcvae.eval.verdict import (
+    LONGER_RUN,
     SUGGESTED_PRESET,
     MIN_DISTINCT_OUTPUTS,
     MIN_MI_FRACTION,
@@ -116,7 +117,8 @@ def test_collapsed_raw_run_without_labels_suggests_the_default_objective():
     assert f"--config {SUGGESTED_PRESET}" in judge(metrics, _config())["next_step"]
     # and with the late-decision parts on already, at more steps or the sum-mode variant
     recipe = _config(posterior_pooling="mean", router_support_weight=1.0, reconstruction_weight_scale="tokens")
-    assert "--max-steps" in judge(metrics, recipe)["next_step"] and "--config late-decisions" in judge(metrics, recipe)["next_step"]
+    assert "--max-steps 900" in judge(metrics, recipe)["next_step"] and "--config late-decisions" in judge(metrics, recipe)["next_step"]
+    assert f"--max-steps {LONGER_RUN * 40}" in judge(metrics, {**recipe, "max_steps": 40})["next_step"]
 
 
 def test_merged_run_without_labels_is_in_use_with_a_hedged_next_step():
