@@ -171,19 +171,22 @@ def test_aggregation_family_is_seed_000s_four_arm_ablation():
 
 
 def test_the_default_families_run_the_no_flag_default_and_the_user_families_the_former_one():
-    """default.yaml, user-*-default.yaml, k-spare-default.yaml and real-lm-default.yaml give no objective, so each run is the default preset, as `zcvae
+    """default.yaml, default-add-search.yaml, user-*-default.yaml, k-spare-default.yaml and real-lm-default.yaml give no objective, so each run is the default preset, as `zcvae
     train` resolves it from the rendered arguments; user-late.yaml and user-ambiguous.yaml, whose runs the
     README's user-family tables quote, name raw+dist and so keep the former default (the </y> state,
     no scale, no support)."""
     from zcvae.config import DEFAULT_PRESET, load_config_file
 
     preset = load_config_file(DEFAULT_PRESET)
-    for name in ("default", "user-late-default", "user-ambiguous-default", "k-spare-default", "real-lm-default"):
+    for name in ("default", "default-add-search", "user-late-default", "user-ambiguous-default", "k-spare-default", "real-lm-default"):
         for cfg in _trained(FAMILIES / f"{name}.yaml"):
             assert all(cfg.to_dict()[k] == v for k, v in preset.items()), name
     tasks = {(c.data.task, c.model.num_latents, c.optimization.seed) for c in _trained(FAMILIES / "default.yaml")}
     assert tasks == {(t, k, s) for t, k in (("copy", 2), ("sort", 2), ("add", 2), ("search", 2), ("sort3", 3), ("mul", 3))
                      for s in (0, 1, 2)}
+    # add and search at 3x the steps, from 3,000-step stages: the README's rows for them
+    longer = {(c.data.task, c.model.num_latents, c.optimization.max_steps, c.optimization.seed) for c in _trained(FAMILIES / "default-add-search.yaml")}
+    assert longer == {(t, 2, 900, s) for t in ("add", "search") for s in (0, 1, 2)}
     for name in ("user-late", "user-ambiguous"):
         for cfg in _trained(FAMILIES / f"{name}.yaml"):
             assert (cfg.objective.objective, cfg.objective.reconstruction_weight_scale, cfg.model.posterior_pooling,
