@@ -684,6 +684,17 @@ def kl_weight_at(cfg: TrainConfig, step: int) -> float:
     return cfg.effective_kl_weight * min(1.0, (frac - o.kl_delay_fraction) / o.kl_ramp_fraction)
 
 
+def kl_delay_end(cfg: TrainConfig) -> int | None:
+    """The number of optimizer steps after which beta first leaves 0 (the end of the first KL delay), or None when
+    there is no delay (a constant schedule, ``kl_delay_fraction`` 0, or a zero KL weight) or beta never leaves 0. The
+    trainer evaluates there once: whether the decoder reads z when the KL starts to price it
+    (``zcvae.eval.verdict.delay_end_note``)."""
+    max_steps = cfg.optimization.max_steps
+    if cfg.objective.kl_schedule == "constant" or cfg.objective.kl_delay_fraction == 0:
+        return None
+    return next((step for step in range(1, max_steps) if kl_weight_at(cfg, step) != 0), None)
+
+
 def lr_factor_at(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up then cosine decay to ``min_lr_ratio`` of the peak (``core.schedule.lr_multiplier``)."""
     from zcvae.core.schedule import lr_multiplier

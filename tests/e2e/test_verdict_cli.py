@@ -28,8 +28,12 @@ def test_train_writes_and_prints_the_verdict_then_aggregate_and_evaluate_show_it
     assert verdict["lines"][0] == f"[verdict] {verdict['verdict']}"
     for line in verdict["lines"]:
         assert line in proc.stdout
-    final = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    final = records[-1]
     assert final["split"] == "eval" and "nmi" not in final
+    # the default's KL delay (60% of 3 steps) ends after step 2: one evaluation there, and its line
+    assert [r["step"] for r in records if r["split"] == "eval"] == [2, 3] and (run_dir / "eval_step2.json").is_file()
+    assert "[kl] the KL delay ends after step 2: MI " in proc.stdout
     # no parser: every latent was decoded for the 4 x, and the verdict read the fraction that differs
     assert final["decode/num_examples"] == 4 and 0.0 <= final["control/distinct_outputs"] <= 1.0
     assert verdict["decoding"]["distinct_outputs"] == final["control/distinct_outputs"]

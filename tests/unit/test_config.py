@@ -6,7 +6,7 @@ import json
 import pytest
 
 from zcvae.commands.cli import add_config_flags, resolve_train_config
-from zcvae.config import FLAT_KEYS, TrainConfig, kl_weight_at, lr_factor_at
+from zcvae.config import FLAT_KEYS, TrainConfig, kl_delay_end, kl_weight_at, lr_factor_at
 
 
 def _parse(argv):
@@ -70,6 +70,22 @@ def test_kl_schedule_delay_then_ramp_and_cyclical():
     cyc = TrainConfig.from_flat(max_steps=100, kl_schedule="cyclical", kl_cycles=4, kl_weight=1.0, kl_delay_fraction=0.2, kl_ramp_fraction=0.4)
     assert kl_weight_at(cyc, 25) == 0 and kl_weight_at(cyc, 35) == pytest.approx(0.5) and kl_weight_at(cyc, 49) == 1.0
     assert kl_weight_at(TrainConfig.from_flat(kl_schedule="constant", kl_weight=0.7), 0) == 0.7
+
+
+@pytest.mark.parametrize("fields, end", [
+    ({"kl_delay_fraction": 0.6}, 181),  # beta is 0 through step 180 (the ramp starts from 0 there)
+    ({"kl_delay_fraction": 0.3, "kl_ramp_fraction": 0.0}, 90),
+    ({"kl_schedule": "cyclical", "kl_cycles": 4, "kl_delay_fraction": 0.2}, 16),  # the first cycle's delay
+    ({"kl_schedule": "constant"}, None),
+    ({"kl_delay_fraction": 0.0}, None),
+    ({"kl_delay_fraction": 1.0, "kl_ramp_fraction": 0.0}, None),  # beta never leaves 0
+    ({"kl_delay_fraction": 0.6, "kl_weight": 0.0}, None),
+])
+def test_kl_delay_end_is_the_first_step_with_a_positive_beta(fields, end):
+    cfg = TrainConfig.from_flat(max_steps=300, **fields)
+    assert kl_delay_end(cfg) == end
+    if end is not None:
+        assert all(kl_weight_at(cfg, step) == 0 for step in range(end)) and kl_weight_at(cfg, end) > 0
 
 
 def test_lr_warmup_then_cosine_to_floor():

@@ -50,6 +50,7 @@ __all__ = [
     "SPLIT_MIN_SHARE",
     "USED_SHARE",
     "VERDICT",
+    "delay_end_note",
     "gold_collapsed",
     "gold_structure",
     "judge",
@@ -293,6 +294,32 @@ def _next_step(config: Mapping[str, Any], *, discrete: bool, status: str, gold_s
             return (f"{used:g} of {num_latents} latents in use: if the data has {num_latents} strategies, some share a latent; "
                     f"for strategies that part late in y try {_SUGGESTED}; if it has {used:g}, nothing to do")
     return None
+
+
+def delay_end_note(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int) -> str | None:
+    """The line ``zcvae train`` says after its evaluation at the end of the KL delay (``config.kl_delay_end``), or
+    None for a Gaussian latent (no per-latent decodes) or K = 1.
+
+    Until then beta is 0 and q may separate the data freely; from then on the KL prices every nat of q. If q
+    carries information (MI >= MIN_MI_FRACTION x log K) but decoding differs across z on fewer than
+    MIN_DISTINCT_OUTPUTS of x, the decoder has not learned to read z yet and the KL will likely collapse q, as on
+    add and search at 300 steps (README, "The default"): the line says so while the run can still be restarted
+    longer. The thresholds are the verdict's."""
+    if config.get("latent_type", "discrete") != "discrete":
+        return None
+    num_latents = int(config.get("num_latents") or 1)
+    mi, distinct = _number(metrics, "mi"), _number(metrics, DISTINCT_OUTPUTS_KEY)
+    if num_latents < 2 or mi is None:
+        return None
+    fraction = mi / math.log(num_latents)
+    shown = f"MI {_fmt(mi)} nats = {fraction:.2f} x log K, decoding differs across z on " + ("-" if distinct is None else f"{distinct:.0%}") + " of x"
+    line = f"[kl] the KL delay ends after step {step}: {shown}"
+    if fraction >= MIN_MI_FRACTION and distinct is not None and distinct < MIN_DISTINCT_OUTPUTS:
+        return (f"{line}. q separates the data but the decoder does not read z yet, so the KL will likely collapse q; "
+                f"a longer run holds the KL at 0 longer: {_longer(config)}")
+    if fraction < MIN_MI_FRACTION:
+        return f"{line}. z carries nothing yet, and the KL will keep it so"
+    return line
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,6 +48,8 @@ class LoopSettings:
     skip_nonfinite_steps: int = 0
     progress_bar: bool = True
     run_name: str = "run"
+    eval_at: tuple[int, ...] = ()
+    """Steps evaluated besides every ``eval_every`` (the trainer's: the end of the KL delay)."""
 
 
 @dataclass
@@ -163,7 +165,7 @@ def run_loop(
             logger.log("train", done, metrics)
             progress.set_postfix(**objective.postfix(metrics))
             window, window_tokens, window_start = MetricWindow(), 0.0, time.perf_counter()
-        if s.eval_every and done % s.eval_every == 0 and done != s.max_steps:
+        if ((s.eval_every and done % s.eval_every == 0) or done in s.eval_at) and done != s.max_steps:
             evaluate(done)
             window_start = time.perf_counter()  # keep evaluation out of tokens/s
         stop = verdict == "stop" and done != s.max_steps  # preempted: save here, then end

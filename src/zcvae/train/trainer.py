@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from zcvae._version import __version__
-from zcvae.config import TrainConfig, kl_weight_at, lr_factor_at, resolve_scale_factors, train_run_name
+from zcvae.config import TrainConfig, kl_delay_end, kl_weight_at, lr_factor_at, resolve_scale_factors, train_run_name
 from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
 from zcvae.data.dataset import load_splits, passes_over_data
 from zcvae.distributed import cpu_threads, dist_info, flush_denormals, init_distributed
@@ -318,10 +318,17 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
     say(f"[run] {cfg.run.run_name}: {len(data.train_enc)} train / {len(data.val_enc)} val examples, world {world_size}, "
         f"engine {cfg.engine.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
 
+    delay_end = kl_delay_end(cfg)  # loop_settings evaluates there too
+
     def run_eval(step: int) -> dict[str, float]:
         metrics = evaluate(engine=engine, model=model, cfg=cfg, val=data.val_enc, reference=reference, task=data.splits.task,
                            run_dir=run_dir, step=step)
         logger.log("eval", step, metrics)
+        if step == delay_end and step != cfg.optimization.max_steps:
+            from zcvae.eval.verdict import delay_end_note
+
+            if (note := delay_end_note(metrics, cfg.to_dict(), step=step)) is not None:
+                say(note)
         return metrics
 
     # the posterior gradient of the dilution argument (docs/objective.md#dilution), every grad_probe_every steps (zcvae.train.grad_probe: reads the same forward)
@@ -357,6 +364,8 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
         max_steps=cfg.optimization.max_steps, micro_batch_size=cfg.optimization.micro_batch_size, gradient_accumulation_steps=cfg.optimization.gradient_accumulation_steps,
         seed=cfg.optimization.seed, log_every=cfg.run.log_every, eval_every=cfg.evaluation.eval_every, save_every=cfg.run.save_every, max_grad_norm=cfg.optimization.max_grad_norm,
         skip_nonfinite_steps=cfg.run.skip_nonfinite_steps, progress_bar=cfg.run.progress_bar, run_name=cfg.run.run_name,
+        # the end of the KL delay: whether the decoder reads z when the KL starts (zcvae.eval.verdict.delay_end_note)
+        eval_at=() if (end := kl_delay_end(cfg)) is None else (end,),
     )
 
 

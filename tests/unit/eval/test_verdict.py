@@ -17,6 +17,7 @@ from zcvae.eval.evaluation import summarize
 from zcvae.eval.records import DecodeRecord, ExampleRecord
 from zcvae.eval.verdict import (
     LONGER_RUN,
+    delay_end_note,
     SUGGESTED_PRESET,
     MIN_DISTINCT_OUTPUTS,
     MIN_MI_FRACTION,
@@ -282,3 +283,23 @@ def test_report_verdict_writes_json_and_logs_every_line(tmp_path):
     # a missing or broken file reads as None (a reader then recomputes it)
     (tmp_path / VERDICT).write_text("{not json")
     assert read_verdict(tmp_path) is None and read_verdict(tmp_path / "absent") is None
+
+
+# ---------------------------------------------------------------- at the end of the KL delay
+
+
+def test_delay_end_note_warns_when_q_separates_but_the_decoder_does_not_read_z():
+    recipe = _config(posterior_pooling="mean", router_support_weight=1.0, reconstruction_weight_scale="tokens")
+    # q one latent per strategy (MI log 2), every latent decoding the same y: add at 300 steps, step 181
+    unread = _run_metrics([("fwd", _sharp(0, 2))] * 6 + [("rev", _sharp(1, 2))] * 6, num_latents=2,
+                          outputs=lambda i, k: [300 + i, 7])
+    note = delay_end_note(unread, recipe, step=181)
+    assert note.startswith("[kl] the KL delay ends after step 181: MI ") and "differs across z on 0% of x" in note
+    assert "the decoder does not read z yet" in note and "--max-steps 900" in note
+    # decoding follows z: the plain line, no advice
+    read = delay_end_note(_healthy(), recipe, step=181)
+    assert read.endswith("differs across z on 100% of x")
+    # nothing in q yet
+    assert delay_end_note(_collapsed(), recipe, step=181).endswith("z carries nothing yet, and the KL will keep it so")
+    # no per-latent decodes to read: nothing to say
+    assert delay_end_note(unread, {**recipe, "latent_type": "continuous"}, step=181) is None
