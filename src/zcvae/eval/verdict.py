@@ -303,8 +303,9 @@ def delay_end_note(metrics: Mapping[str, Any], config: Mapping[str, Any], *, ste
     Until then beta is 0 and q may separate the data freely; from then on the KL prices every nat of q. If q
     carries information (MI >= MIN_MI_FRACTION x log K) but decoding differs across z on fewer than
     MIN_DISTINCT_OUTPUTS of x, the decoder has not learned to read z yet and the KL will likely collapse q, as on
-    add and search at 300 steps (README, "The default"): the line says so while the run can still be restarted
-    longer. The thresholds are the verdict's."""
+    add and search at 300 steps (README, "The default"): the line says so, with the verdict's next step for a
+    collapse (for the default, a run 3x longer), while the run can still be restarted. The thresholds are the
+    verdict's."""
     if config.get("latent_type", "discrete") != "discrete":
         return None
     num_latents = int(config.get("num_latents") or 1)
@@ -315,8 +316,8 @@ def delay_end_note(metrics: Mapping[str, Any], config: Mapping[str, Any], *, ste
     shown = f"MI {_fmt(mi)} nats = {fraction:.2f} x log K, decoding differs across z on " + ("-" if distinct is None else f"{distinct:.0%}") + " of x"
     line = f"[kl] the KL delay ends after step {step}: {shown}"
     if fraction >= MIN_MI_FRACTION and distinct is not None and distinct < MIN_DISTINCT_OUTPUTS:
-        return (f"{line}. q separates the data but the decoder does not read z yet, so the KL will likely collapse q; "
-                f"a longer run holds the KL at 0 longer: {_longer(config)}")
+        return (f"{line}. q separates the data but the decoder does not read z yet, so the KL will likely collapse q. "
+                f"If it does: {_collapse_step(config, num_latents)}")
     if fraction < MIN_MI_FRACTION:
         return f"{line}. z carries nothing yet, and the KL will keep it so"
     return line

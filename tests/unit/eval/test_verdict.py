@@ -296,6 +296,9 @@ def test_delay_end_note_warns_when_q_separates_but_the_decoder_does_not_read_z()
     note = delay_end_note(unread, recipe, step=181)
     assert note.startswith("[kl] the KL delay ends after step 181: MI ") and "differs across z on 0% of x" in note
     assert "the decoder does not read z yet" in note and "--max-steps 900" in note
+    # the raw control's dilution is not a matter of steps: the line points to the default, as its verdict does
+    raw = delay_end_note(unread, _config(objective="raw"), step=91)
+    assert DEFAULT_OBJECTIVE in raw and "--max-steps" not in raw
     # decoding follows z: the plain line, no advice
     read = delay_end_note(_healthy(), recipe, step=181)
     assert read.endswith("differs across z on 100% of x")
