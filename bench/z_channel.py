@@ -7,7 +7,7 @@ training, with ``<znull>`` in the slot as the stage saw it.
 For each example it takes the z-conditioned prompt ``<bos> <x> {x} </x> <z> <znull> </z> <y> {y} </y>`` and
 the gradient of log p(y_t | ...) with respect to the slot's input embedding, for every y token t, as a
 fraction of the ``<znull>`` row's norm (``sensitivity``: the change in log p per unit of relative change in
-the slot row). It prints the mean over examples of
+the slot row). It prints the mean and the median over examples of
 
 - ``first``: the sensitivity of the first y token (where a marker family names its strategy);
 - ``decision``: the sensitivities averaged with weights b_t / sum b_t, b_t = -log p(y_t) of the z-free
@@ -28,7 +28,6 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -43,16 +42,14 @@ def _examples(args) -> list:
     return make_examples(args.task, seed=0, split="val", num_examples=args.num_examples)
 
 
-def _tokens(tokenizer) -> SimpleNamespace:
-    """The template's frame ids in the backbone's tokenizer (the stage knows every marker but no z_k)."""
-    from zcvae.templates import missing_markers
+def _tokens(tokenizer):
+    """The template's ids in the backbone's tokenizer (a stage knows every marker but no z_k)."""
+    from zcvae.templates import template_tokens
 
-    missing = missing_markers(tokenizer.get_vocab())
-    if missing:
-        raise SystemExit(f"the backbone's tokenizer lacks the template markers {missing}: run zcvae pretrain on it first")
-    tid = tokenizer.convert_tokens_to_ids
-    return SimpleNamespace(bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id, x_open=tid("<x>"), x_close=tid("</x>"),
-                           z_open=tid("<z>"), z_close=tid("</z>"), y_open=tid("<y>"), y_close=tid("</y>"), znull=tid("<znull>"))
+    try:
+        return template_tokens(tokenizer, num_latents=0)
+    except ValueError as err:
+        raise SystemExit(f"the backbone's tokenizer lacks the template markers ({err}): run zcvae pretrain on it first") from None
 
 
 def channel(model, tokenizer, examples) -> dict:

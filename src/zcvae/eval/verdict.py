@@ -114,6 +114,14 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+def _share(value: float | None) -> str:
+    """A fraction as a percentage: one decimal below 10%, so that a share just under a threshold of a few percent
+    never prints as the threshold itself."""
+    if value is None:
+        return "-"
+    return f"{value:.1%}" if 0 < value < 0.1 else f"{value:.0%}"
+
+
 def _strategy_usage(metrics: Mapping[str, Any]) -> dict[str, tuple[float, dict[int, float]]]:
     """{strategy: (num_examples, {latent: mean q over its rows})} from the ``by_strategy/`` keys."""
     usage: dict[str, dict[int, float]] = {}
@@ -253,7 +261,7 @@ def _discrete_status(metrics: Mapping[str, Any], num_latents: int, distinct: flo
         reasons.append(f"MI {_fmt(mi)} nats is {fraction:.2g} x log K, below {MIN_MI_FRACTION}: q(z|x,y) is the same for every example")
     elif distinct is not None and distinct < MIN_DISTINCT_OUTPUTS:
         status = "collapsed"
-        reasons.append(f"decoding differs across z on {distinct:.0%} of x (< {MIN_DISTINCT_OUTPUTS:.0%}): the decoder ignores z")
+        reasons.append(f"decoding differs across z on {_share(distinct)} of x (< {MIN_DISTINCT_OUTPUTS:.0%}): the decoder ignores z")
     else:
         status = "in use"
     shown = k_eff if k_eff is not None else used  # K_eff, else the count
@@ -298,29 +306,26 @@ def _next_step(config: Mapping[str, Any], *, discrete: bool, status: str, gold_s
 
 def delay_end_note(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int) -> str | None:
     """The line ``zcvae train`` says after its evaluation at the end of the KL delay (``config.kl_delay_end``), or
-    None for a Gaussian latent (no per-latent decodes) or K = 1.
+    None for a Gaussian latent (no per-latent decodes), K = 1, or an evaluation without MI.
 
-    Until then beta is 0 and q may separate the data freely; from then on the KL prices every nat of q. If q
-    carries information (MI >= MIN_MI_FRACTION x log K) but decoding differs across z on fewer than
-    MIN_DISTINCT_OUTPUTS of x, the decoder has not learned to read z yet and the KL will likely collapse q, as on
-    add and search at 300 steps (README, "The default"): the line says so, with the verdict's next step for a
-    collapse (for the default, a run 3x longer), while the run can still be restarted. The thresholds are the
-    verdict's."""
-    if config.get("latent_type", "discrete") != "discrete":
+    Until then beta is 0 and q may separate the data freely; from then on the KL prices every nat of q. The line is
+    the label-free part of :func:`judge` on that evaluation. When q carries information (MI >= MIN_MI_FRACTION x
+    log K) but decoding differs across z on fewer than MIN_DISTINCT_OUTPUTS of x, the decoder has not learned to read
+    z yet and the KL will likely collapse q, as on add and search at 300 steps (README, "The default"): the line
+    says so, with the verdict's next step for a collapse (for the default, a fresh run 3x longer)."""
+    verdict = judge(metrics, config)
+    information, distinct = verdict["information"], verdict["decoding"]["distinct_outputs"]
+    fraction = information.get("mi_fraction")
+    if verdict["latents"]["latent_type"] != "discrete" or verdict["latents"]["num_latents"] < 2 or fraction is None:
         return None
-    num_latents = int(config.get("num_latents") or 1)
-    mi, distinct = _number(metrics, "mi"), _number(metrics, DISTINCT_OUTPUTS_KEY)
-    if num_latents < 2 or mi is None:
-        return None
-    fraction = mi / math.log(num_latents)
-    shown = f"MI {_fmt(mi)} nats = {fraction:.2f} x log K, decoding differs across z on " + ("-" if distinct is None else f"{distinct:.0%}") + " of x"
-    line = f"[kl] the KL delay ends after step {step}: {shown}"
-    if fraction >= MIN_MI_FRACTION and distinct is not None and distinct < MIN_DISTINCT_OUTPUTS:
-        return (f"{line}. q separates the data but the decoder does not read z yet, so the KL will likely collapse q. "
-                f"If it does: {_collapse_step(config, num_latents)}")
+    line = (f"[kl] the KL delay ends after step {step}: MI {_fmt(information['mi'])} nats = {fraction:.2f} x log K, "
+            f"decoding differs across z on {_share(distinct)} of x")
+    if verdict["status"] != "collapsed":
+        return line
     if fraction < MIN_MI_FRACTION:
-        return f"{line}. z carries nothing yet, and the KL will keep it so"
-    return line
+        return f"{line}. z carries almost nothing yet (MI < {MIN_MI_FRACTION} x log K), and the KL usually keeps it so"
+    return (f"{line} (< {MIN_DISTINCT_OUTPUTS:.0%}). q carries information but the decoder does not read z yet, so the KL "
+            f"will likely collapse q. If it does: {verdict['next_step']}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -413,7 +418,7 @@ def verdict_lines(verdict: Mapping[str, Any]) -> list[str]:
         lines.append(f"  information: {_fmt(lat.get('active_units'))} of {lat['num_latents']} active units; "
                      f"KL(q||p) {_fmt(info['kl'])} nats")
     if dec["distinct_outputs"] is not None:
-        lines.append(f"  decoding: differs across z on {dec['distinct_outputs']:.0%} of {_fmt(dec['num_decoded_examples'])} "
+        lines.append(f"  decoding: differs across z on {_share(dec['distinct_outputs'])} of {_fmt(dec['num_decoded_examples'])} "
                      f"decoded x; exact match {_fmt(dec['exact_match'])}")
     elif dec["exact_match"] is not None:
         lines.append(f"  decoding: exact match {_fmt(dec['exact_match'])} (not decoded with every z)")

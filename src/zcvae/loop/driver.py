@@ -52,6 +52,13 @@ class LoopSettings:
     """Steps evaluated besides every ``eval_every`` (the trainer's: the end of the KL delay)."""
 
 
+def evaluates_after(settings: LoopSettings, done: int) -> bool:
+    """Whether the loop evaluates after ``done`` steps, before the end: every ``eval_every`` steps and at each of
+    ``eval_at``, once even where both fall on one step; the last step's evaluation is the final one, never here."""
+    s = settings
+    return done != s.max_steps and (bool(s.eval_every and done % s.eval_every == 0) or done in s.eval_at)
+
+
 @dataclass
 class MicroLoss:
     """One micro-batch's contribution: ``loss`` (this rank's sum divided by the global count, so the
@@ -165,7 +172,7 @@ def run_loop(
             logger.log("train", done, metrics)
             progress.set_postfix(**objective.postfix(metrics))
             window, window_tokens, window_start = MetricWindow(), 0.0, time.perf_counter()
-        if ((s.eval_every and done % s.eval_every == 0) or done in s.eval_at) and done != s.max_steps:
+        if evaluates_after(s, done):
             evaluate(done)
             window_start = time.perf_counter()  # keep evaluation out of tokens/s
         stop = verdict == "stop" and done != s.max_steps  # preempted: save here, then end

@@ -318,13 +318,13 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
     say(f"[run] {cfg.run.run_name}: {len(data.train_enc)} train / {len(data.val_enc)} val examples, world {world_size}, "
         f"engine {cfg.engine.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
 
-    delay_end = kl_delay_end(cfg)  # loop_settings evaluates there too
+    settings = loop_settings(cfg)
 
     def run_eval(step: int) -> dict[str, float]:
         metrics = evaluate(engine=engine, model=model, cfg=cfg, val=data.val_enc, reference=reference, task=data.splits.task,
                            run_dir=run_dir, step=step)
         logger.log("eval", step, metrics)
-        if step == delay_end and step != cfg.optimization.max_steps:
+        if step in settings.eval_at:  # the end of the KL delay
             from zcvae.eval.verdict import delay_end_note
 
             if (note := delay_end_note(metrics, cfg.to_dict(), step=step)) is not None:
@@ -336,7 +336,7 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
     objective = CVAEObjective(cfg, engine=engine, model=model, train=data.train_enc, reference=reference, recon_cfg=recon_cfg,
                               probe=probe, logger=logger)
     final = run_loop(
-        engine=engine, objective=objective, settings=loop_settings(cfg), num_examples=len(data.train_enc),
+        engine=engine, objective=objective, settings=settings, num_examples=len(data.train_enc),
         peak_lrs=peak_lrs, group_names=group_names, lr_factor=lambda step: lr_factor_at(cfg, step),
         start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": cfg, "c_base": reference.c_base},
         evaluate=run_eval, logger=logger, signals=signals, log=say, cpu_threads=follower,
