@@ -79,7 +79,7 @@ PURE_HOMOGENEITY = 0.95
 USED_SHARE = 0.01
 # A collapsed run with every late-decision part on is pointed to this many times its steps: on add and search the
 # default collapsed at 300 steps, with q already along the strategies, because the decoder had not yet learned to
-# read the z slot when the 60% KL delay ended; at 900 it did (README, "Every family").
+# read the z slot when the 60% KL delay ended; at 900 it did (README, "The default").
 LONGER_RUN = 3
 
 # What the verdict suggests for a run without the late-decision parts: the default run preset (zcvae.presets),
