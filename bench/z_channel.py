@@ -19,7 +19,7 @@ the slot row). It prints the mean and the median over examples of
 Why: a discrete z enters the decoder only as a trainable row in this slot. An entangled stage that learned
 to ignore the slot (it carried only ``<znull>``) gives the CVAE's decoder a channel it must first open
 through LoRA; where that takes longer than the KL delay, q can find the strategies (it did on ``add``) while
-decoding ignores z, and the KL then collapses q. README, "Every family", has the measurements.
+decoding ignores z, and the KL then collapses q. README, "The default", has the measurements.
 """
 
 from __future__ import annotations
@@ -56,15 +56,16 @@ def channel(model, tokenizer, examples) -> dict:
     """{"first", "decision": per-example sensitivities, "attention": per-layer means}; see the module docstring."""
     import torch
 
-    from zcvae.templates import IGNORE_INDEX, EncodedExample, TemplateLayout
+    from zcvae.templates import IGNORE_INDEX, TemplateLayout, encode_examples
 
     tokens, layout = _tokens(tokenizer), TemplateLayout(1)
     emb = model.get_input_embeddings()
     znull_norm = emb.weight[tokens.znull].norm().item()
     first, decision, attention = [], [], []
-    for ex in examples:
-        enc = EncodedExample(ex.id, tuple(tokenizer(ex.x, add_special_tokens=False)["input_ids"]),
-                             tuple(tokenizer(ex.y, add_special_tokens=False)["input_ids"]))
+    # training's encoder (its skips and x truncation), bounded only by the model's positions
+    max_length = getattr(model.config, "max_position_embeddings", None) or 1024
+    encoded, _ = encode_examples(examples, tokenizer, tokens, max_length=max_length, num_z_slots=1)
+    for enc in encoded:
         slot = layout.z_slot_start(len(enc.x_ids))
         with torch.no_grad():  # b_t: the z-free template's surprisal of each supervised token
             ids, labels = layout.zfree_sequence(enc, tokens)
