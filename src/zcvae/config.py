@@ -131,6 +131,7 @@ class EngineSection(StrictDataclass):
     engine: str = _f("local", "local (DDP when launched with several processes), deepspeed or fsdp2.", choices=("local", "deepspeed", "fsdp2"))
     deepspeed_config: str | None = _f(None, "DeepSpeed JSON config (ds_configs/zero2.json when omitted).")
     precision: str = _f("fp32", "fp32 or bf16.", choices=("fp32", "bf16"))
+    base_dtype: str | None = _f(None, "Dtype of the frozen backbone weights (the LoRA adapters, z rows and router heads always keep float32 masters): float32, bfloat16, or auto (as saved in the checkpoint). Default: bfloat16 under --precision bf16, float32 otherwise. A bfloat16 base halves the frozen weights' memory on every engine; gloo (CPU) cannot run bfloat16 collectives, so on CPU it needs world size 1.", choices=("float32", "bfloat16", "auto"))
     cpu_offload: bool = _f(False, "Offload optimizer state (and ZeRO-3 parameters) to CPU.")
 
 
@@ -334,7 +335,15 @@ class TrainConfig(StrictDataclass):
             share_x_prefix=m.share_x_prefix,
             trust_remote_code=m.trust_remote_code,
             train_fresh_markers=m.allow_fresh_markers,
+            dtype=self.resolved_base_dtype,
         )
+
+    @property
+    def resolved_base_dtype(self) -> str:
+        """``base_dtype`` as loaded: bfloat16 under bf16 precision and float32 otherwise when it is unset."""
+        if self.engine.base_dtype is not None:
+            return self.engine.base_dtype
+        return "bfloat16" if self.engine.precision == "bf16" else "float32"
 
     def engine_config(self):
         from zcvae.engines import EngineConfig
@@ -524,7 +533,7 @@ def validate(config: TrainConfig) -> None:
     for f in flat_fields():
         choices = f.metadata.get("choices")
         value = getattr(cfg, f.name)
-        if choices and value not in choices:
+        if choices and value not in choices and not (value is None and f.default is None):
             raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{f.name} must be finite, got {value!r}")

@@ -14,14 +14,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
 from zcvae.engines.base import AdamWSettings, Engine, EngineConfig
 
-__all__ = ["Engine", "EngineConfig", "build_engine"]
+__all__ = ["Engine", "EngineConfig", "build_engine", "sharded_loading"]
+
+
+def sharded_loading(config: EngineConfig):
+    """How the model must be built for ``config``'s engine: a ``zcvae.model.sharded.ShardedLoading``
+    for the engines that shard parameters (ZeRO-3, FSDP2), so that no rank ever holds the whole
+    backbone; None for those that replicate it by definition (local, ZeRO-0/1/2), which load it whole
+    on every rank. Starts the process group (and DeepSpeed's) if needed."""
+    if config.engine == "fsdp2":
+        from zcvae.engines.fsdp2 import FSDP2Loading
+
+        return FSDP2Loading(config)
+    if config.engine == "deepspeed":
+        from zcvae.engines.deepspeed import Zero3Loading, resolve_deepspeed_config
+
+        if resolve_deepspeed_config(config)["zero_optimization"]["stage"] == 3:
+            return Zero3Loading(config)
+    return None
 
 
 def build_engine(
@@ -34,6 +51,7 @@ def build_engine(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     decoder_layers: Sequence[nn.Module] | None = None,
+    materialize: Callable[[], None] | None = None,
 ) -> Engine:
     """Wrap ``model`` (on CPU, peft adapters and resized embeddings already in place) for training.
 
@@ -41,7 +59,9 @@ def build_engine(
     every trainable parameter in exactly one non-empty group; ``set_learning_rates`` takes one lr per
     group in this order. ``learning_rate``/``weight_decay`` are the defaults for groups that omit them.
     ``decoder_layers``: FSDP2 only, the blocks sharded one by one (found from ``_no_split_modules``
-    when None). Starts the process group from the torchrun environment if needed.
+    when None). ``materialize``: a model built with ``sharded_loading(config)`` has no weights yet; the
+    engine calls this once its parameters are sharded, before the optimizer sees them
+    (``ZCVAE.materialize_weights``). Starts the process group from the torchrun environment if needed.
     """
     if not isinstance(config, EngineConfig):
         raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
@@ -52,7 +72,10 @@ def build_engine(
     if config.engine == "local":
         from zcvae.engines.local import LocalEngine
 
+        if materialize is not None:
+            materialize()  # nothing is sharded: a no-op for a replicated build
         return LocalEngine(config, **common)
+    common["materialize"] = materialize
     if config.engine == "deepspeed":
         from zcvae.engines.deepspeed import DeepSpeedEngine
 

@@ -30,7 +30,7 @@ import copy
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from zcvae import distributed as zdist
 from zcvae.engines.base import AdamWSettings, EngineBase, EngineConfig, clip_and_norm, groups_from_names, prepare_model
 from zcvae.engines.base import trainable_named_parameters
 
-__all__ = ["BUILTIN_DEEPSPEED_CONFIGS", "DeepSpeedEngine", "resolve_deepspeed_config"]
+__all__ = ["BUILTIN_DEEPSPEED_CONFIGS", "DeepSpeedEngine", "Zero3Loading", "resolve_deepspeed_config"]
 
 _COMMON: dict[str, Any] = {
     "steps_per_print": 1_000_000_000,
@@ -170,19 +170,77 @@ def _register_trainable_token_bases(model: nn.Module) -> None:
             deepspeed.zero.register_external_parameter(module, module.base_layer.weight)
 
 
+def _start_deepspeed(config: EngineConfig) -> zdist.DistInfo:
+    import deepspeed
+
+    info = zdist.init_distributed(require_group=True)
+    if config.precision == "bf16" and info.world_size > 1 and dist.get_backend() == "gloo":
+        raise ValueError("precision: bf16 collectives are not supported by gloo (CPU); use fp32 on CPU")
+    # deepspeed.initialize insists on these even for a single process started without a launcher.
+    for name, value in (("RANK", info.rank), ("WORLD_SIZE", info.world_size), ("LOCAL_RANK", info.local_rank)):
+        os.environ.setdefault(name, str(value))
+    # Adopts the torch group just created (DeepSpeed needs a group even at world size 1).
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    return info
+
+
+class Zero3Loading:
+    """``zcvae.model.sharded.ShardedLoading`` for ZeRO-3: ``zero.Init`` partitions each module's
+    parameters as it is built; a write gathers one parameter, rank 0 fills it, and it is partitioned again."""
+
+    def __init__(self, config: EngineConfig):
+        self.ds_config = resolve_deepspeed_config(config)
+        info = _start_deepspeed(config)
+        self.rank, self.device = info.rank, info.device
+
+    def build_context(self, dtype: torch.dtype):
+        import deepspeed
+
+        # The dtype goes through the config: DeepSpeed 0.19 ignores Init(dtype=...) where the accelerator
+        # lacks fp16 (the CPU's), and makes bf16 partitions. No F.linear patch: it persists process-wide.
+        init_config = {**self.ds_config, "bf16": {"enabled": dtype == torch.bfloat16}}
+        return deepspeed.zero.Init(config_dict_or_path=init_config, mem_efficient_linear=False)
+
+    def whole(self, params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
+
+    def prepare(self, model: nn.Module) -> None:
+        pass  # the partitions have storage from the start
+
+    @torch.no_grad()
+    def write(self, owner: nn.Module, name: str, full: torch.Tensor | None, *, on_every_rank: bool) -> None:
+        import deepspeed
+
+        t = getattr(owner, name)
+        if hasattr(t, "ds_id"):
+            with deepspeed.zero.GatheredParameters([t], modifier_rank=0):
+                if self.rank == 0:
+                    t.data.copy_(full.to(device=t.device, dtype=t.dtype))
+            return
+        # not partitioned (yet): LoRA, the trainable rows, the heads and buffers, the same on every rank
+        if not on_every_rank:
+            full = self.broadcast(full, shape=tuple(t.shape), dtype=t.dtype)
+        t.data.copy_(full.to(device=t.device, dtype=t.dtype))
+
+    def broadcast(self, full: torch.Tensor | None, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buf = full.to(self.device) if self.rank == 0 else torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(buf, src=0)
+        return buf.cpu()
+
+
 class DeepSpeedEngine(EngineBase):
-    def __init__(self, config: EngineConfig, *, model: nn.Module, param_groups: Sequence[Mapping[str, Any]], adamw: AdamWSettings):
+    def __init__(self, config: EngineConfig, *, model: nn.Module, param_groups: Sequence[Mapping[str, Any]], adamw: AdamWSettings,
+                 materialize: Callable[[], None] | None = None):
         import deepspeed
 
         ds_config = resolve_deepspeed_config(config)
-        info = zdist.init_distributed(require_group=True)
-        if config.precision == "bf16" and info.world_size > 1 and dist.get_backend() == "gloo":
-            raise ValueError("precision: bf16 collectives are not supported by gloo (CPU); use fp32 on CPU")
-        # deepspeed.initialize insists on these even for a single process started without a launcher.
-        for name, value in (("RANK", info.rank), ("WORLD_SIZE", info.world_size), ("LOCAL_RANK", info.local_rank)):
-            os.environ.setdefault(name, str(value))
-        # Adopts the torch group just created (DeepSpeed needs a group even at world size 1).
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+        info = _start_deepspeed(config)
+        if materialize is not None:
+            # a sharded build (ZeRO-3 partitions made at build time): every value in place before
+            # deepspeed.initialize copies the trainable ones into the optimizer's flat partitions
+            materialize()
         named_groups = prepare_model(config, model, param_groups)
         self._client_optimizer = adamw.build(groups_from_names(model, named_groups))
         ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self._client_optimizer, config=ds_config)

@@ -12,13 +12,19 @@ Set-up checklist, in this order:
 ``backward(sync=False)`` turns gradient reduction off (``set_requires_gradient_sync``): unsharded
 gradients accumulate locally and the next synced backward reduce-scatters them all at once.
 
+Sharded loading (``FSDP2Loading``, see ``zcvae.model.sharded``): the model arrives with its parameters
+on the meta device; after step 2 ``to_empty`` gives each rank storage for its shards only, and the
+model's ``materialize`` callback writes every tensor through ``FSDP2Loading.write``, which scatters
+rank 0's full tensor (``distribute_tensor(src_data_rank=0)``) so a rank receives its shard alone.
+
 Checkpoints are torch DCP directories (``model`` = trainable parameters only, ``optim``) plus
 ``client_state.pt`` written by rank 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,12 +33,75 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from zcvae import distributed as zdist
 from zcvae.engines.base import AdamWSettings, EngineBase, EngineConfig, groups_from_names, load_client_state, prepare_model
 from zcvae.engines.base import save_client_state, trainable_named_parameters
 
-__all__ = ["FSDP2Engine", "find_decoder_layers"]
+__all__ = ["FSDP2Engine", "FSDP2Loading", "find_decoder_layers", "parameters_on_meta"]
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside is moved to the meta device; buffers stay real.
+
+    ``torch.device("meta")`` would put the buffers there too, and RoPE's ``inv_freq`` (computed in the
+    module's constructor, in no checkpoint) would then be lost. This is accelerate's
+    ``init_empty_weights(include_buffers=False)``, which zcvae does not depend on. The parameter is
+    created on the CPU first: an uninitialised ``torch.empty`` whose pages are never touched."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+class FSDP2Loading:
+    """``zcvae.model.sharded.ShardedLoading`` for FSDP2: parameters built on meta, written as shards."""
+
+    ds_config = None
+
+    def __init__(self, config: EngineConfig):
+        info = zdist.init_distributed(require_group=True)
+        self.rank = info.rank
+        # CPUOffloadPolicy keeps the sharded parameters on the host
+        self.device = torch.device("cpu") if config.cpu_offload else info.device
+
+    def build_context(self, dtype: torch.dtype):
+        return parameters_on_meta()
+
+    def whole(self, params):
+        return contextlib.nullcontext()  # meta tensors have their whole shape already
+
+    def prepare(self, model: nn.Module) -> None:
+        model.to_empty(device=self.device)
+
+    @torch.no_grad()
+    def write(self, owner: nn.Module, name: str, full: torch.Tensor | None, *, on_every_rank: bool) -> None:
+        t = getattr(owner, name)
+        if isinstance(t, DTensor):
+            if not on_every_rank and self.rank != 0:
+                full = torch.empty(t.shape, dtype=t.dtype)
+            value = full.to(device=t.device, dtype=t.dtype)
+            shard = distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None if on_every_rank else 0)
+            t.to_local().copy_(shard.to_local())
+            return
+        if not on_every_rank:
+            full = self.broadcast(full, shape=tuple(t.shape), dtype=t.dtype)
+        t.copy_(full.to(device=t.device, dtype=t.dtype))
+
+    def broadcast(self, full: torch.Tensor | None, *, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buf = full.to(self.device) if self.rank == 0 else torch.empty(shape, dtype=dtype, device=self.device)
+        torch.distributed.broadcast(buf, src=0)
+        return buf.cpu()
 
 
 def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -65,6 +134,7 @@ class FSDP2Engine(EngineBase):
         param_groups: Sequence[Mapping[str, Any]],
         adamw: AdamWSettings,
         decoder_layers: Sequence[nn.Module] | None = None,
+        materialize: Callable[[], None] | None = None,
     ):
         info = zdist.init_distributed(require_group=True)
         if config.precision == "bf16" and info.world_size > 1 and torch.distributed.get_backend() == "gloo":
@@ -102,6 +172,8 @@ class FSDP2Engine(EngineBase):
             # extra scaling kernel on nccl either).
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+        if materialize is not None:  # a sharded build: the weights arrive now, shard by shard
+            materialize()
         super().__init__(info, model=model, module=model, num_groups=len(named_groups))
         self.optimizer = adamw.build(groups_from_names(model, named_groups))
 

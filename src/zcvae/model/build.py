@@ -25,7 +25,10 @@ __all__ = [
     "check_backbone_files",
     "decoder_matches_lm",
     "disable_dropout",
+    "added_rows",
+    "fill_new_rows_",
     "init_new_rows",
+    "latent_directions",
     "load_backbone",
     "load_tokenizer",
     "resize_and_init_rows",
@@ -102,7 +105,7 @@ def disable_dropout(model: nn.Module) -> None:
 def resize_and_init_rows(model: nn.Module, tokenizer, *, tokens: TemplateTokens, vocab_before: dict, noise: float, generator: torch.Generator) -> float:
     """Resize the embeddings to the tokenizer *before* any wrapping (ZeRO-3 copies rows only inside a
     gather) and initialise the new rows (``init_new_rows``); return the z-noise norm scale."""
-    added = sorted(i for t, i in tokenizer.get_vocab().items() if t not in vocab_before)
+    added = added_rows(tokenizer, vocab_before)
     old_rows = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > old_rows:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
@@ -111,7 +114,18 @@ def resize_and_init_rows(model: nn.Module, tokenizer, *, tokens: TemplateTokens,
     )
 
 
-@torch.no_grad()
+def added_rows(tokenizer, vocab_before: dict) -> list[int]:
+    """The ids the markers and latent tokens got (sorted), i.e. the rows the backbone never trained."""
+    return sorted(i for t, i in tokenizer.get_vocab().items() if t not in vocab_before)
+
+
+def latent_directions(*, tokens: TemplateTokens, added: list[int], hidden: int, generator: torch.Generator) -> dict[int, torch.Tensor]:
+    """The random direction of each new z row's noise, drawn from ``generator`` in row order. They
+    depend on nothing but the generator, so a sharded build draws them before any weight exists."""
+    latents = set(tokens.latents)
+    return {row: torch.randn(hidden, generator=generator) for row in added if row in latents}
+
+
 def init_new_rows(
     model: nn.Module,
     *,
@@ -122,38 +136,61 @@ def init_new_rows(
     noise: float,
     generator: torch.Generator,
 ) -> float:
-    """Initialise the rows of newly added tokens; return the norm scale used for z noise.
+    """Initialise the rows of newly added tokens in ``model``'s embeddings (``fill_new_rows_``); return the
+    norm scale used for z noise."""
+    emb = model.get_input_embeddings().weight  # (V, H)
+    out_emb = model.get_output_embeddings()
+    untied = out_emb is not None and out_emb.weight.data_ptr() != emb.data_ptr()
+    directions = latent_directions(tokens=tokens, added=added, hidden=emb.shape[1], generator=generator)
+    return fill_new_rows_(
+        emb.data,
+        head_VH=out_emb.weight.data if untied else None,
+        head_bias_V=getattr(out_emb, "bias", None) if untied else None,
+        tokens=tokens, added=added, old_rows=old_rows, had_znull=had_znull, noise=noise, directions=directions,
+    )
+
+
+@torch.no_grad()
+def fill_new_rows_(
+    emb_VH: torch.Tensor,
+    *,
+    head_VH: torch.Tensor | None,
+    head_bias_V: torch.Tensor | None,
+    tokens: TemplateTokens,
+    added: list[int],
+    old_rows: int,
+    had_znull: bool,
+    noise: float,
+    directions: dict[int, torch.Tensor],
+) -> float:
+    """Write the new rows of the full (V, H) embedding (and of an untied head) in place; return the
+    norm scale used for z noise. Pure tensor code: the replicated and the sharded builds share it.
 
     z rows: ``<znull>`` row + noise when the backbone already knew ``<znull>`` (it was pretrained
     with ``<znull>`` in the slot, so z_k starts as "no latent" and the decoder is not disturbed);
     otherwise the mean embedding + noise. The noise has norm ``noise`` x the base row's norm
-    (x the mean row norm for the mean embedding), in a random direction, so the K rows differ and
-    the branches give the router distinct gradients from step 0. Other new markers (a backbone
-    that lacked them) get the mean embedding; they train only with ``train_fresh_markers``. New
-    rows of an untied output head get the mean output row, so no new token is favoured.
+    (x the mean row norm for the mean embedding), in the row's direction from ``directions``, so the
+    K rows differ and the branches give the router distinct gradients from step 0. Other new markers
+    (a backbone that lacked them) get the mean embedding; they train only with ``train_fresh_markers``.
+    New rows of an untied output head get the mean output row, so no new token is favoured.
     """
-    emb = model.get_input_embeddings().weight  # (V, H)
-    base_rows = emb[:old_rows].float()
+    base_rows = emb_VH[:old_rows].float()
     mean_row = base_rows.mean(0)
     if had_znull:
-        base, scale = emb[tokens.znull].float().clone(), float(emb[tokens.znull].float().norm())
+        base, scale = emb_VH[tokens.znull].float().clone(), float(emb_VH[tokens.znull].float().norm())
     else:
         base, scale = mean_row, float(base_rows.norm(dim=1).mean())
-    latents = set(tokens.latents)
     for row in added:
-        if row in latents:
-            direction = torch.randn(emb.shape[1], generator=generator)
+        if row in directions:
+            direction = directions[row]
             value = base + noise * scale * direction / direction.norm().clamp_min(1e-12)
         else:
             value = mean_row
-        emb[row] = value.to(emb.dtype)
-    out_emb = model.get_output_embeddings()
-    if out_emb is not None and out_emb.weight.data_ptr() != emb.data_ptr() and out_emb.weight.shape[0] > old_rows:
-        w = out_emb.weight
-        w[old_rows:] = w[:old_rows].float().mean(0).to(w.dtype)
-        bias = getattr(out_emb, "bias", None)
-        if bias is not None:
-            bias[old_rows:] = bias[:old_rows].float().mean().to(bias.dtype)
+        emb_VH[row] = value.to(emb_VH.dtype)
+    if head_VH is not None and head_VH.shape[0] > old_rows:
+        head_VH[old_rows:] = head_VH[:old_rows].float().mean(0).to(head_VH.dtype)
+        if head_bias_V is not None:
+            head_bias_V[old_rows:] = head_bias_V[:old_rows].float().mean().to(head_bias_V.dtype)
     return scale
 
 
@@ -195,7 +232,13 @@ def attach_lora(model: nn.Module, config: ModelConfig, *, tokenizer, tokens: Tem
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # LoRA A matrices are drawn from the global RNG inside peft
-        return get_peft_model(model, lora)
+        peft_model = get_peft_model(model, lora)
+    # Trainable parts keep float32 masters whatever the base dtype (peft copies the z rows in the
+    # embedding's dtype); with a float32 base this changes nothing.
+    for p in peft_model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return peft_model
 
 
 def build_heads(hidden: int, config: ModelConfig, *, z_scale: float, generator: torch.Generator) -> tuple[nn.Module, nn.Module | None]:

@@ -46,14 +46,14 @@ from torch import nn
 
 from zcvae.core.latent import categorical_kl, entropy, gaussian_entropy, gaussian_kl, inter_latent_divergence
 from zcvae.core.losses import gather_span, supervised_token_nll, token_nll
-from zcvae.model import branches, build, hf_compat, prefix as shared
+from zcvae.model import branches, build, hf_compat, prefix as shared, sharded
 from zcvae.model.config import POSTERIOR_POOLING, ModelConfig
 from zcvae.model.decoding import KVCache
 from zcvae.templates import Batch, TemplateTokens
 
 __all__ = ["CVAEOutput", "MODES", "ZCVAE", "posterior_state"]
 
-MODES = ("reference", "train", "encode", "decode")
+MODES = ("reference", "train", "encode", "decode", "calibrate")
 # float32 logits per chunk of the supervised-token NLL (64 MiB): 341 tokens at V = 49k, 128 at V = 128k
 LOGIT_CHUNK_ELEMENTS = 1 << 24
 
@@ -136,13 +136,17 @@ class ZCVAE(nn.Module):
         # None until ``_decoder()`` first checks it (from_pretrained does, before an engine shards).
         self._decoder_ok: bool | None = None
         self._warned: set[str] = set()  # fallback warnings already given (each once per model)
+        self._pending: sharded.PendingWeights | None = None  # a sharded build's weights, until materialize_weights
+        self._built_sharded = False
 
     # ------------------------------------------------------------------------------------------
     # Construction
     # ------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, backbone_dir: str, config: ModelConfig, *, calibration: Batch | None = None, seed: int = 0) -> "ZCVAE":
+    def from_pretrained(
+        cls, backbone_dir: str, config: ModelConfig, *, calibration: Batch | None = None, seed: int = 0, loading: "sharded.ShardedLoading | None" = None
+    ) -> "ZCVAE":
         """Load a local Hugging Face directory (model + tokenizer, safetensors only) and wrap it.
 
         Steps (``model.build``), in this order because each depends on the previous one:
@@ -158,11 +162,21 @@ class ZCVAE(nn.Module):
            rank, so distributed runs should pass the same ``calibration`` batch on every rank.
         All random initialisation draws from ``seed`` (LoRA A, z-row noise, projection), not from the
         global RNG state, so every rank builds the same model.
+
+        ``loading`` (from ``zcvae.engines.sharded_loading``, for ZeRO-3 and FSDP2): no weight is read
+        yet. The modules are built where the engine makes parameters (meta, or ZeRO-3 partitions), and
+        ``materialize_weights`` writes them once the engine has sharded the model, each rank keeping its
+        shard (``model.sharded``). Until then the model cannot run: ``calibration`` must be None, and the
+        router is calibrated through the engine (``engine.module(batch, mode="calibrate")``).
         """
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
         backbone_dir = build.check_backbone_dir(backbone_dir)
         tokenizer, tokens, vocab_before = build.load_tokenizer(backbone_dir, config)
+        if loading is not None:
+            if calibration is not None:
+                raise ValueError("calibration: a sharded build has no weights until the engine writes them; calibrate through the engine")
+            return cls._sharded(backbone_dir, config, tokenizer=tokenizer, tokens=tokens, vocab_before=vocab_before, seed=seed, loading=loading)
         model = build.load_backbone(backbone_dir, config)
         rng = torch.Generator().manual_seed(seed)
         z_scale = build.resize_and_init_rows(model, tokenizer, tokens=tokens, vocab_before=vocab_before, noise=config.z_init_noise, generator=rng)
@@ -181,6 +195,61 @@ class ZCVAE(nn.Module):
         if calibration is not None:
             out.calibrate(calibration)
         return out
+
+    @classmethod
+    def _sharded(cls, backbone_dir: str, config: ModelConfig, *, tokenizer, tokens, vocab_before, seed: int, loading) -> "ZCVAE":
+        """``from_pretrained``'s steps on a weightless skeleton (``model.sharded``), drawing the same
+        random numbers in the same order as the replicated build, so both give the same model."""
+        rng = torch.Generator().manual_seed(seed)
+        model, reader, keys, old_rows = sharded.build_skeleton(backbone_dir, config, loading=loading, num_tokens=len(tokenizer))
+        emb_mod, head_mod = model.get_input_embeddings(), model.get_output_embeddings()
+        owners: dict[int, tuple[nn.Module, str]] = {}
+        for module in model.modules():
+            for name, p in module.named_parameters(recurse=False):
+                owners.setdefault(id(p), (module, name))
+        added = build.added_rows(tokenizer, vocab_before)
+        hidden = sharded.full_shape(emb_mod.weight)[1]
+        directions = build.latent_directions(tokens=tokens, added=added, hidden=hidden, generator=rng)
+        if config.gradient_checkpointing:
+            hf_compat.enable_layer_checkpointing(model)
+        rows = [emb_mod.weight] + ([head_mod.weight] if head_mod is not None and head_mod.weight is not emb_mod.weight else [])
+        with loading.whole(rows):  # the trainable tokens copy rows at attach; materialize_weights rewrites them
+            peft_model = build.attach_lora(model, config, tokenizer=tokenizer, tokens=tokens, vocab_before=vocab_before, seed=seed)
+        heads_state = rng.get_state()  # the projection's draws follow the rows', as in the replicated build
+        router, projection = build.build_heads(hidden, config, z_scale=1.0, generator=rng)
+        out = cls(peft_model=peft_model, tokenizer=tokenizer, tokens=tokens, config=config, router=router, projection=projection)
+        pending = sharded.plan_weights(
+            out, peft_model, reader=reader, keys=keys, owners_before_peft=owners, emb_mod=emb_mod, head_mod=head_mod,
+            tokens=tokens, added=added, old_rows=old_rows, vocab_before=vocab_before, noise=config.z_init_noise,
+            directions=directions, seed=seed, loading=loading,
+        )
+        if projection is not None:
+            def init_projection(z_scale: float) -> dict:
+                # a fresh projection drawn from the saved generator state, once z_scale (from the embedding) is known
+                g = torch.Generator()
+                g.set_state(heads_state)
+                with torch.random.fork_rng(devices=[]):
+                    _, fresh = build.build_heads(hidden, config, z_scale=z_scale, generator=g)
+                mods = dict(projection.named_modules())
+                return {(mods[m], n): t.detach().clone() for m, fm in fresh.named_modules() for n, t in fm.named_parameters(recurse=False)}
+
+            pending.init_projection = init_projection
+        out._pending = pending
+        out._built_sharded = True
+        out.train()
+        return out
+
+    @property
+    def sharded(self) -> bool:
+        """Built without reading the weights (``from_pretrained(loading=...)``)."""
+        return self._built_sharded
+
+    def materialize_weights(self) -> None:
+        """Write the weights of a sharded build, once the engine has sharded it (every rank calls it);
+        a no-op for a replicated build, which has its weights already."""
+        if self._pending is not None:
+            self._pending.materialize(self)
+            self._pending = None
 
     @torch.no_grad()
     def calibrate(self, batch: Batch) -> None:
@@ -210,6 +279,8 @@ class ZCVAE(nn.Module):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "decode":
             return self.decode(**kw)
+        if mode == "calibrate":  # through the engine: a sharded model's weights are whole only inside its forward
+            return self.calibrate(batch, **kw)
         return {"reference": self.reference, "train": self.train_forward, "encode": self.encode}[mode](batch, **kw)
 
     def reference(self, batch: Batch, *, n_span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,12 @@ peft
     ``BaseTunerLayer._disable_adapters``: the per-layer flag that makes a LoRA / trainable-token layer
     pass its input through (``adapters_disabled``).
     ``trainable_tokens_delta``: the name of the parameter that holds the trained rows of a
-    ``trainable_token_indices`` layer (``TRAINABLE_TOKENS_DELTA``).
+    ``trainable_token_indices`` layer (``TRAINABLE_TOKENS_DELTA``), its ``trainable_tokens_original``
+    buffer, ``token_indices`` and ``get_base_layer()`` (``token_adapter_rows``).
+    LoRA's initialisation order (``lora_initial_values``): per LoRA layer, in module order,
+    ``nn.Linear(in, r)`` then ``nn.Linear(r, out)`` (each drawing its default init), then
+    ``kaiming_uniform_(A, a=sqrt(5))`` and zeros for B, the adapters cast through the base weight's
+    dtype and back to float32. A sharded build attaches LoRA to meta weights, where those draws are lost.
 transformers
     ``Cache(layer_class_to_replicate=...)`` / ``Cache(layers=...)`` and ``DynamicLayer``'s
     ``keys``, ``values``, ``device``, ``is_initialized`` and ``update`` (``replay_safe_cache``).
@@ -17,6 +22,9 @@ transformers
     ``checkpointing_layers``).
     The cache keyword's name: ``cache`` from transformers 5.2x, ``past_key_values`` before
     (``cache_kwarg``).
+    ``transformers.initialization.no_init_weights`` and ``integrations.deepspeed.prevent_arange_dtype_change``:
+    building a model inside ``deepspeed.zero.Init`` without drawing weights that the checkpoint
+    overwrites, with RoPE buffers in float32 (``zero3_build_contexts``).
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ __all__ = [
     "layer_checkpointing_active",
     "layer_checkpointing_off",
     "lm_cache_kwarg",
+    "lora_initial_values",
+    "token_adapter_rows",
+    "zero3_build_contexts",
     "recorded_kv",
     "replay_safe_cache",
 ]
@@ -198,3 +209,64 @@ def cache_kwarg(forward_params: frozenset[str]) -> str:
     """The keyword that passes a cache to a forward with these parameter names."""
     # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes in 5.40).
     return "cache" if "cache" in forward_params else "past_key_values"
+
+
+def lora_initial_values(peft_model: nn.Module, *, seed: int) -> dict[tuple[nn.Module, str], torch.Tensor]:
+    """The values peft gives every LoRA parameter when ``get_peft_model`` runs under
+    ``torch.manual_seed(seed)`` on real weights -> {(module, parameter name): tensor}.
+
+    Replays peft's draws (module docstring) on the CPU. A model attached on the meta device has the
+    right shapes but lost values; this gives them back, equal to a replicated build's bit for bit
+    (``tests/unit/model/test_sharded_load.py``). Only the default initialisation (``init_lora_weights=True``)
+    is replayed, the one zcvae uses."""
+    import math
+
+    from peft.tuners.lora.layer import LoraLayer
+
+    out: dict[tuple[nn.Module, str], torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in peft_model.modules():
+            if not isinstance(module, LoraLayer):
+                continue
+            for adapter in module.lora_A:
+                A, B = module.lora_A[adapter], module.lora_B[adapter]
+                a = nn.Linear(A.in_features, A.out_features, bias=False)
+                b = nn.Linear(B.in_features, B.out_features, bias=B.bias is not None)
+                nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+                nn.init.zeros_(b.weight)
+                if b.bias is not None:
+                    nn.init.zeros_(b.bias)
+                base_dtype = module.get_base_layer().weight.dtype
+                for layer, value in ((A, a), (B, b)):
+                    for name, p in value.named_parameters():
+                        out[(layer, name)] = p.detach().to(base_dtype).to(getattr(layer, name).dtype)
+    return out
+
+
+def token_adapter_rows(peft_model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, list[int]]]:
+    """Every tensor of peft's trainable-token layers that copies rows of its base weight ->
+    [(holder module, tensor name, base module whose ``weight`` it copies, row indices)]: the trained
+    delta (a parameter) and the original rows (a buffer), per adapter. A tied layer (the head of a
+    tied embedding) owns none."""
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    out = []
+    for module in peft_model.modules():
+        if not isinstance(module, TrainableTokensLayer):
+            continue
+        for adapter, indices in module.token_indices.items():
+            for holder in (getattr(module, TRAINABLE_TOKENS_DELTA), module.trainable_tokens_original):
+                if adapter in holder:
+                    out.append((holder, adapter, module.get_base_layer(), list(indices)))
+    return out
+
+
+def zero3_build_contexts(zero_init) -> list:
+    """Contexts to build a transformers model partitioned by ``deepspeed.zero.Init`` (``zero_init``, the
+    engine's, entered after the others): no weight draws (the checkpoint overwrites them), RoPE
+    buffers keep their float32 ``arange``."""
+    from transformers.initialization import no_init_weights
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+    return [no_init_weights(), prevent_arange_dtype_change(), zero_init]

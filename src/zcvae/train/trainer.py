@@ -176,11 +176,14 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     data = _load_data_and_model(cfg, say=say)
     cfg, model, train_enc, val_enc = data.cfg, data.model, data.train_enc, data.val_enc
 
-    # 3. engine and optimizer; fail loudly if a latent parameter would not train
+    # 3. engine and optimizer (a sharded build gets its weights here); fail loudly if a latent parameter would not train
     groups = model.param_groups(lora_lr=cfg.optimization.lora_learning_rate, latent_lr=cfg.optimization.latent_learning_rate, weight_decay=cfg.optimization.weight_decay)
     model.check_trainable(p for g in groups for p in g["params"])
     peak_lrs = [g["lr"] for g in groups]  # before the engine: the schedule sets each group's lr in place
-    engine = build_engine(cfg.engine_config(), model=model, param_groups=groups, learning_rate=cfg.optimization.lora_learning_rate, weight_decay=cfg.optimization.weight_decay)
+    engine = build_engine(cfg.engine_config(), model=model, param_groups=groups, learning_rate=cfg.optimization.lora_learning_rate,
+                          weight_decay=cfg.optimization.weight_decay, materialize=model.materialize_weights)
+    # through the engine: a sharded model's weights are whole only inside its forward
+    engine.module(data.calibration, mode="calibrate")
 
     # 4. z-free reference statistics and c_base (mode-matched, fingerprinted)
     global_batch = cfg.optimization.micro_batch_size * cfg.optimization.gradient_accumulation_steps * info.world_size
@@ -240,10 +243,12 @@ class _RunData:
     val_enc: list
     train_report: object
     val_report: object
+    calibration: object  # the batch the router's statistics come from (calibrated through the engine)
 
 
 def _load_data_and_model(cfg: TrainConfig, *, say) -> _RunData:
     """Splits, backbone (marker check before its weights load), model, encoded examples, the KL factor, calibration."""
+    from zcvae.engines import sharded_loading
     from zcvae.model.cvae import ZCVAE
     from zcvae.reference.health import check_markers
 
@@ -253,7 +258,13 @@ def _load_data_and_model(cfg: TrainConfig, *, say) -> _RunData:
         say(f"[backbone] {backbone}: {describe_conversion(conversion)}")
     # exits 2 (ValueError) on a backbone without the template markers, before its weights load
     health = check_markers(cfg, backbone, log=say)
-    model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.optimization.seed)
+    # ZeRO-3 and FSDP2 build the model without its weights (each rank later keeps its shard); the others load it whole
+    loading = sharded_loading(cfg.engine_config())
+    check_base_dtype(cfg)
+    model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.optimization.seed, loading=loading)
+    if loading is not None:
+        say(f"[backbone] sharded load ({cfg.engine.engine}): weights stream from rank 0 once the engine has sharded the model; "
+            f"frozen base in {cfg.resolved_base_dtype}")
     check_limits(cfg, model, backbone=backbone, log=say)
     num_slots = cfg.slot_tokens
     train_enc, train_report = encode_examples(splits.train, model.tokenizer, model.tokens, max_length=cfg.data.max_length, num_z_slots=num_slots)
@@ -263,9 +274,18 @@ def _load_data_and_model(cfg: TrainConfig, *, say) -> _RunData:
     if not train_enc or not val_enc:
         raise ValueError(f"no usable example left: train {len(train_enc)}, val {len(val_enc)} (see the skip messages above)")
     cfg = resolve_scale_factors(cfg, mean_num_tokens=float(np.mean([ex.num_supervised for ex in val_enc])), say=say)
-    model.calibrate(collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots))
+    calibration = collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots)
     return _RunData(cfg=cfg, splits=splits, backbone=backbone, health=health, model=model, train_enc=train_enc, val_enc=val_enc,
-                    train_report=train_report, val_report=val_report)
+                    train_report=train_report, val_report=val_report, calibration=calibration)
+
+
+def check_base_dtype(cfg: TrainConfig) -> None:
+    """ValueError when a bfloat16 base would need bfloat16 collectives that gloo (CPU) lacks."""
+    import torch.distributed as dist
+
+    if cfg.resolved_base_dtype == "bfloat16" and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+        raise ValueError("base_dtype: a bfloat16 base at world size > 1 needs bfloat16 collectives, which gloo (CPU) does not support; "
+                         "use --base-dtype float32 on CPU, or world size 1")
 
 
 def report_encoding(name: str, report, *, say) -> None:
