@@ -171,7 +171,8 @@ def test_a_flat_run_config_from_before_the_sections_still_loads(tmp_path):
     old = TrainConfig.from_dict(record["config"])
     assert (old.data.task, old.optimization.max_steps, old.objective.objective) == ("copy", 2, record["config"]["objective"])
     # every recorded field as recorded; a field added since (ADDED_SINCE) at its default
-    ADDED_SINCE = {"router_support_schedule": "constant", "reconstruction_weight_scale": "none", "reconstruction_weight_factor": None}
+    ADDED_SINCE = {"router_support_schedule": "constant", "reconstruction_weight_scale": "none", "reconstruction_weight_factor": None,
+                   "base_dtype": None}
     assert old.to_dict() == {**ADDED_SINCE, **record["config"]}
     # a run directory of either layout reads back as the same flat config
     (tmp_path / "old").mkdir()
