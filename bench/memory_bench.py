@@ -92,7 +92,7 @@ def predict(backbone: Path, engine: str, world: int) -> dict:
     from zcvae.plan.cli import plan_from_argv
 
     argv = ["--backbone", str(backbone), *ENGINES[engine], "--world-size", str(world), "--micro-batch-size", "1", "--device", "cpu",
-            "--loading", "replicated", "--task", "copy", "--num-train-examples", str(NUM_TRAIN)]
+            "--loading", "replicated", "--step", "first", "--task", "copy", "--num-train-examples", str(NUM_TRAIN)]
     return plan_from_argv(argv)
 
 
