@@ -25,7 +25,7 @@ resident set size (peak reset through /proc/self/clear_refs; glibc told to serve
 mmap so freed activations leave the RSS), on a GPU ``torch.cuda.max_memory_allocated`` after a reset
 minus ``memory_allocated`` before the step.
 
-FLOPs (GPU mode, MFU) are LoRA-aware: a trained pass costs forward 2 N_frozen per token plus
+FLOPs (GPU mode, MFU) are LoRA-aware (``zcvae.plan.flops``, also `zcvae plan`'s): a trained pass costs forward 2 N_frozen per token plus
 backward 2 N_frozen (activation gradients only: frozen weights get no weight gradient), attention
 scores 3x their forward, adapters 3x theirs; a no-grad pass costs its forward. "useful MFU" counts
 the trained passes, "HFU" adds the reference forward. The "model x" column is the same count on
@@ -63,6 +63,7 @@ from zcvae.engines import EngineConfig, build_engine  # noqa: E402
 from zcvae.core.losses import token_nll  # noqa: E402
 from zcvae.model.config import ModelConfig, default_lora_targets  # noqa: E402
 from zcvae.model.cvae import ZCVAE  # noqa: E402
+from zcvae.plan.flops import Shape, step_flops, numel as _numel  # noqa: E402 - the FLOP model's one home
 from zcvae.loop import MetricWindow  # noqa: E402
 from zcvae.reference.c_base import CBase  # noqa: E402
 from zcvae.reference.provider import ReferenceProvider  # noqa: E402
@@ -136,64 +137,7 @@ def make_batch(model: ZCVAE, *, batch_size: int, x_len: int, y_len: int, seed: i
     return collate(examples, model.tokens, num_z_slots=model.config.num_z_slots)
 
 
-# --------------------------------------------------------------------------- FLOP model
-def _numel(p: torch.Tensor) -> int:
-    return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 leaves an empty local shard in p
-
-
-@dataclass
-class Shape:
-    """Per-token FLOP coefficients of the backbone (forward, multiply-add = 2 FLOPs)."""
-
-    linear: float  # 2 x frozen matmul parameters of the decoder layers
-    head: float  # 2 x V x H (lm_head)
-    lora: float  # 2 x adapter parameters
-    attn: float  # 2 x 2 x (heads x head_dim) x layers: scores + weighted sum, per attended key
-
-    @classmethod
-    def of(cls, model: ZCVAE) -> "Shape":
-        cfg = model.peft_model.get_base_model().config
-        H, L, I = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
-        kv = cfg.num_key_value_heads * (H // cfg.num_attention_heads)
-        per_layer = H * H * 2 + 2 * H * kv + 3 * H * I
-        lora = sum(_numel(p) for n, p in model.peft_model.named_parameters() if "lora_" in n)
-        return cls(linear=2.0 * L * per_layer, head=2.0 * cfg.vocab_size * H, lora=2.0 * lora, attn=4.0 * H * L)
-
-    def forward(self, *, rows: int, queries: int, keys_before: int = 0, head_tokens: int | None = None) -> tuple[float, float, float]:
-        """(frozen, adapter, attention) forward FLOPs of ``rows`` x ``queries`` tokens after a cached
-        ``keys_before`` (causal: query j sees keys_before + j + 1 keys)."""
-        tokens = rows * queries
-        attended = rows * (queries * keys_before + queries * (queries + 1) / 2)
-        head = self.head * (tokens if head_tokens is None else head_tokens)
-        return self.linear * tokens + head, self.lora * tokens, self.attn * attended
-
-    @staticmethod
-    def trained(f: tuple[float, float, float]) -> float:
-        frozen, adapter, attention = f
-        return 2 * frozen + 3 * adapter + 3 * attention
-
-    @staticmethod
-    def nograd(f: tuple[float, float, float]) -> float:
-        return sum(f)
-
-
-def step_flops(shape: Shape, *, kind: str, B: int, x_len: int, y_len: int, K: int, share: bool, online: bool, slots: int = 1) -> tuple[float, float]:
-    """(useful, hardware) FLOPs of one step; the online reference forward is hardware-only."""
-    T = x_len + y_len + 6  # bos <x> x </x> <y> y </y> eos
-    P, Wy, Wz = x_len + 3, y_len + 3, y_len + 5 + slots  # prefix, z-free suffix, z-conditioned suffix
-    S = P + Wz
-    ref = shape.nograd(shape.forward(rows=B, queries=T))
-    if kind == "reference":
-        return 0.0, ref
-    if kind == "lora":
-        return shape.trained(shape.forward(rows=B, queries=T)), shape.trained(shape.forward(rows=B, queries=T))
-    if share:
-        useful = shape.trained(shape.forward(rows=B, queries=P, head_tokens=B))
-        useful += shape.trained(shape.forward(rows=B, queries=Wy, keys_before=P))
-        useful += shape.trained(shape.forward(rows=B * K, queries=Wz, keys_before=P))
-    else:
-        useful = shape.trained(shape.forward(rows=B, queries=T)) + shape.trained(shape.forward(rows=B * K, queries=S))
-    return useful, useful + (ref if online else 0.0)
+# --------------------------------------------------------------------------- FLOP model: zcvae.plan.flops
 
 
 # --------------------------------------------------------------------------- cases

@@ -17,6 +17,7 @@ LAYERS = (
     ("model", "engines", "reference", "loop"),
     ("backbone",),
     ("config",),
+    ("plan",),  # shapes without weights, the FLOP and memory models of `zcvae plan`
     ("export",),
     ("eval",),
     ("train",),

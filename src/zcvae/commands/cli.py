@@ -1,4 +1,4 @@
-"""The ``zcvae`` command: demo, pretrain, train, evaluate, aggregate, sweep, export, generate, encode, convert-gguf.
+"""The ``zcvae`` command: demo, pretrain, train, evaluate, aggregate, sweep, export, generate, encode, convert-gguf, plan.
 
 Every :class:`~zcvae.config.TrainConfig` field is a ``zcvae train`` flag in kebab case; a YAML/JSON file
 given with ``--config`` sets fields too, and flags on the command line win over the file.
@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("generate", "Decode y for x with a chosen z."),
         ("encode", "Print q(z|x,y) and p(z|x)."),
         ("convert-gguf", "Convert a GGUF file into a Hugging Face checkpoint directory for --backbone."),
+        ("plan", "Per-rank memory, FLOPs and the largest micro-batch of a configuration, before a job is queued."),
     ):
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -222,6 +223,10 @@ def _dispatch(argv: list[str]) -> int:
         from zcvae.export import cli as export_cli
 
         return getattr(export_cli, f"{argv[0]}_main")(argv[1:])
+    if argv and argv[0] == "plan":
+        from zcvae.plan.cli import main as plan_main
+
+        return plan_main(argv[1:])
     if argv and argv[0] == "convert-gguf":
         from zcvae.backbone.convert import main as convert_main
 

@@ -32,10 +32,12 @@ def task_vocabulary() -> list[str]:
     return sorted({word for task in TASKS.values() for word in task.vocabulary()})
 
 
-def build_tokenizer(*, extra_words: Iterable[str] = ()) -> PreTrainedTokenizerFast:
+def build_tokenizer(*, extra_words: Iterable[str] = (), with_markers: bool = True) -> PreTrainedTokenizerFast:
     """A word-level PreTrainedTokenizerFast over the task vocabulary (plus `extra_words`).
 
     ids: <pad>=0, <unk>=1, <s>=2, </s>=3, the template markers 4-10, then the words sorted.
+    ``with_markers=False`` leaves the markers out (the words follow </s>): the tokenizer of a
+    random-weight benchmarking checkpoint (``zcvae.plan.shapes``), which must not pass as entangled.
     """
     # Imported here so that `import zcvae.data` (tasks, JSONL) stays fast: transformers takes seconds.
     from tokenizers import AddedToken, Tokenizer
@@ -48,19 +50,20 @@ def build_tokenizer(*, extra_words: Iterable[str] = ()) -> PreTrainedTokenizerFa
         if not isinstance(word, str) or not word or word != word.strip() or len(word.split()) != 1:
             raise ValueError(f"extra_words: {word!r} is not a single non-empty whitespace-free word")
     words = sorted(set(task_vocabulary()) | set(extra) - set(SPECIAL_TOKENS))
-    vocab = {token: token_id for token_id, token in enumerate([*SPECIAL_TOKENS, *words])}
+    specials = SPECIAL_TOKENS if with_markers else (PAD, UNK, BOS, EOS)
+    vocab = {token: token_id for token_id, token in enumerate([*specials, *words])}
 
     backend = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = WhitespaceSplit()
     # Special tokens are matched before pre-tokenisation and dropped by skip_special_tokens.
-    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
-        extra_special_tokens=list(TEMPLATE_TOKENS),
+        extra_special_tokens=list(TEMPLATE_TOKENS) if with_markers else [],
         # The default cleanup would glue words such as "." and "?" onto the previous word.
         clean_up_tokenization_spaces=False,
     )
