@@ -74,7 +74,7 @@ def load_backbone_for_finetune(config: PretrainConfig, *, log: Callable[[str], N
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from zcvae.backbone.convert import conversion_record, file_sha256, is_gguf_path, resolve_backbone_path
-    from zcvae.model.build import check_backbone_files, disable_dropout, init_new_rows
+    from zcvae.model.build import check_backbone_files, disable_dropout, head_is_tied, init_new_rows
     from zcvae.reference.store import fingerprint_backbone
 
     source = config.backbone
@@ -119,9 +119,7 @@ def load_backbone_for_finetune(config: PretrainConfig, *, log: Callable[[str], N
     if config.full_finetune:
         return model, tokenizer, tokens, record
     model_type = getattr(model.config, "model_type", "")
-    tied = model.get_output_embeddings() is not None and (
-        model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
-    )
+    tied = head_is_tied(model)
     # Untied heads need the new rows trained on both sides, else </y> keeps the mean logit and greedy
     # decoding never closes y; tied heads share the row (peft ties the two adapters).
     names = {id(m): n.rsplit(".", 1)[-1] for n, m in model.named_modules()}

@@ -27,6 +27,7 @@ __all__ = [
     "disable_dropout",
     "added_rows",
     "fill_new_rows_",
+    "head_is_tied",
     "init_new_rows",
     "latent_directions",
     "load_backbone",
@@ -140,7 +141,7 @@ def init_new_rows(
     norm scale used for z noise."""
     emb = model.get_input_embeddings().weight  # (V, H)
     out_emb = model.get_output_embeddings()
-    untied = out_emb is not None and out_emb.weight.data_ptr() != emb.data_ptr()
+    untied = not head_is_tied(model)
     directions = latent_directions(tokens=tokens, added=added, hidden=emb.shape[1], generator=generator)
     return fill_new_rows_(
         emb.data,
@@ -194,6 +195,15 @@ def fill_new_rows_(
     return scale
 
 
+def head_is_tied(model: nn.Module) -> bool:
+    """Whether the output head shares the input embedding's weight (or there is no head).
+
+    By identity, as ``tie_weights`` ties them (one Parameter): a storage test would call every pair of
+    meta tensors tied, since their ``data_ptr()`` is 0 in a skeleton built for sharded loading."""
+    head = model.get_output_embeddings()
+    return head is None or head.weight is model.get_input_embeddings().weight
+
+
 def trainable_token_indices(model: nn.Module, *, latents: tuple[int, ...], fresh_markers: list[int]) -> list[int] | dict | None:
     """peft ``trainable_token_indices``: the z rows, plus the rows of ``fresh_markers``.
 
@@ -205,7 +215,7 @@ def trainable_token_indices(model: nn.Module, *, latents: tuple[int, ...], fresh
         return list(latents) if latents else None
     rows = [*latents, *fresh_markers]
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if head is None or head.weight.data_ptr() == emb.weight.data_ptr():
+    if head_is_tied(model):
         return rows
     names = {id(m): n for n, m in model.named_modules()}
     return {names[id(emb)]: rows, names[id(head)]: list(fresh_markers)}

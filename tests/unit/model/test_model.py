@@ -380,3 +380,23 @@ def test_posterior_state_pools_the_y_span_by_hand():
         posterior_state(h_BTH, start_B, end_B, "max")
     with pytest.raises(ValueError, match="posterior_pooling"):
         ModelConfig(posterior_pooling="max")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_untied_head_is_seen_on_a_meta_skeleton(tie):
+    """A sharded build makes the backbone on meta, where every tensor's data_ptr() is 0: tying must be
+    read by identity, or an untied head loses its trainable marker rows (and their gradient)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zcvae.engines.fsdp2 import parameters_on_meta
+    from zcvae.model.build import head_is_tied, trainable_token_indices
+
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, tie_word_embeddings=tie)
+    with parameters_on_meta():
+        model = LlamaForCausalLM(cfg)
+    model.tie_weights()
+    assert model.lm_head.weight.is_meta
+    assert head_is_tied(model) is tie
+    got = trainable_token_indices(model, latents=(30, 31), fresh_markers=[32, 33])
+    assert got == ([30, 31, 32, 33] if tie else {"model.embed_tokens": [30, 31, 32, 33], "lm_head": [32, 33]})
