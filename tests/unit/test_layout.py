@@ -14,7 +14,8 @@ LAYERS = (
     ("core", "distributed", "templates"),
     ("runs",),  # run names read the reconstruction-term registry (core/terms.py)
     ("data",),
-    ("model", "engines", "reference", "loop"),
+    ("model",),
+    ("engines", "reference", "loop"),  # engines: through model/hf_compat, the one home of HF/peft internals
     ("backbone",),
     ("config",),
     ("plan",),  # shapes without weights, the FLOP and memory models of `zcvae plan`

@@ -74,7 +74,8 @@ def load_backbone_for_finetune(config: PretrainConfig, *, log: Callable[[str], N
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from zcvae.backbone.convert import conversion_record, file_sha256, is_gguf_path, resolve_backbone_path
-    from zcvae.model.build import check_backbone_files, disable_dropout, head_is_tied, init_new_rows
+    from zcvae.model.build import check_backbone_files, head_is_tied, init_new_rows
+    from zcvae.model.hf_compat import disable_dropout, position_limit
     from zcvae.reference.store import fingerprint_backbone
 
     source = config.backbone
@@ -95,7 +96,7 @@ def load_backbone_for_finetune(config: PretrainConfig, *, log: Callable[[str], N
         )
     except Exception as err:  # noqa: BLE001 - safetensors/transformers raise several types for a bad file
         raise ValueError(f"backbone {source!r}: its weights could not be loaded: {type(err).__name__}: {err}") from None
-    positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    positions = position_limit(model.config)
     if positions is not None and config.max_length > positions:
         raise ValueError(f"max_length {config.max_length} exceeds the backbone's {positions} positions ({source!r})")
     disable_dropout(model)

@@ -40,6 +40,7 @@ from torch import nn
 from zcvae import distributed as zdist
 from zcvae.engines.base import AdamWSettings, EngineBase, EngineConfig, clip_and_norm, groups_from_names, prepare_model
 from zcvae.engines.base import trainable_named_parameters
+from zcvae.model import hf_compat
 
 __all__ = ["BUILTIN_DEEPSPEED_CONFIGS", "DeepSpeedEngine", "Zero3Loading", "resolve_deepspeed_config"]
 
@@ -165,9 +166,8 @@ def _register_trainable_token_bases(model: nn.Module) -> None:
     weight as the layer's external parameter makes ZeRO-3 gather it for that forward."""
     import deepspeed
 
-    for module in model.modules():
-        if type(module).__name__ == "TrainableTokensLayer" and hasattr(getattr(module, "base_layer", None), "weight"):
-            deepspeed.zero.register_external_parameter(module, module.base_layer.weight)
+    for module, weight in hf_compat.trainable_token_base_weights(model):
+        deepspeed.zero.register_external_parameter(module, weight)
 
 
 def _start_deepspeed(config: EngineConfig) -> zdist.DistInfo:

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from zcvae import distributed as zdist
 from zcvae.engines.base import AdamWSettings, EngineBase, EngineConfig, groups_from_names, load_client_state, prepare_model
 from zcvae.engines.base import save_client_state, trainable_named_parameters
+from zcvae.model import hf_compat
 
 __all__ = ["FSDP2Engine", "FSDP2Loading", "find_decoder_layers", "parameters_on_meta"]
 
@@ -111,9 +112,7 @@ def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
     ``LlamaDecoderLayer``); failing that, the children of every ``nn.ModuleList`` called ``layers`` or
     ``h``.
     """
-    names: set[str] = set()
-    for m in model.modules():
-        names |= set(getattr(m, "_no_split_modules", None) or ())
+    names = hf_compat.no_split_module_names(model)
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         layers = [

@@ -28,7 +28,7 @@ from zcvae.export.load import (
     resolve_backbone,
     run_train_config,
 )
-from zcvae.model.hf_compat import TRAINABLE_TOKENS_DELTA
+from zcvae.model.hf_compat import TRAINABLE_TOKENS_DELTA, adapter_config
 from zcvae.runs.checkpoint import read_meta
 from zcvae.runs.rundir import RUN_CONFIG, check_writable, describe_disk_error, final_eval_metrics, read_run_record
 
@@ -143,7 +143,7 @@ def export_run(
         # LoRA + z rows under peft's own names; never the (resized) embedding matrix
         adapter = get_peft_model_state_dict(model.peft_model, save_embedding_layers=False)
         save_file({k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        peft_config = model.peft_model.peft_config["default"]
+        peft_config = adapter_config(model.peft_model)
         peft_config.base_model_name_or_path = backbone
         peft_config.inference_mode = True
         peft_config.save_pretrained(str(tmp))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from zcvae.export.format import ADAPTER_WEIGHTS, EXPORT_META, LATENT_HEADS, base_config
+from zcvae.model import hf_compat
 from zcvae.runs.checkpoint import checkpoint_dirs, load_trainable_state, resolve_checkpoint
 from zcvae.runs.rundir import CHECKPOINTS, RUN_CONFIG, builtin_backbone_dir, read_json, read_run_record
 
@@ -127,17 +128,14 @@ def newest_checkpoint(run_dir: Path, checkpoint: str | None) -> Path:
 
 # --------------------------------------------------------------------------- embeddings of added tokens
 def input_embedding_weight(peft_model) -> torch.Tensor:
-    emb = peft_model.get_input_embeddings()
-    layer = getattr(emb, "token_adapter", None)
-    return layer.base_layer.weight if layer is not None else emb.weight
+    return hf_compat.embedding_weight(peft_model.get_input_embeddings())
 
 
 def output_embedding_weight(peft_model) -> torch.Tensor | None:
     out = peft_model.get_output_embeddings()
     if out is None:
         return None
-    layer = getattr(out, "token_adapter", None)
-    weight = layer.base_layer.weight if layer is not None else out.weight
+    weight = hf_compat.embedding_weight(out)
     return None if weight.data_ptr() == input_embedding_weight(peft_model).data_ptr() else weight
 
 
@@ -146,11 +144,11 @@ def write_added_rows(base_model, heads: dict[str, torch.Tensor]) -> None:
     ids = heads["added_token_ids"].long()
     with torch.no_grad():
         emb = base_model.get_input_embeddings()
-        weight = getattr(getattr(emb, "token_adapter", None), "base_layer", emb).weight
+        weight = hf_compat.embedding_weight(emb)
         weight[ids] = heads["added_rows.input_embeddings"].to(weight)
         out = base_model.get_output_embeddings()
         if "added_rows.output_embeddings" in heads and out is not None:
-            w = getattr(getattr(out, "token_adapter", None), "base_layer", out).weight
+            w = hf_compat.embedding_weight(out)
             w[ids] = heads["added_rows.output_embeddings"].to(w)
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from zcvae.core.latent import DiscreteRouter, GaussianRouter, SoftPromptProjection
+from zcvae.model import hf_compat
 from zcvae.model.config import ModelConfig, default_lora_targets
 from zcvae.templates import ZNULL, TemplateTokens, missing_markers, prepare_tokenizer
 
@@ -24,7 +25,6 @@ __all__ = [
     "check_backbone_dir",
     "check_backbone_files",
     "decoder_matches_lm",
-    "disable_dropout",
     "added_rows",
     "fill_new_rows_",
     "head_is_tied",
@@ -89,18 +89,9 @@ def load_backbone(backbone_dir: str, config: ModelConfig) -> nn.Module:
     except Exception as err:  # noqa: BLE001 - safetensors/transformers raise several types for a bad file
         raise ValueError(f"backbone_dir {backbone_dir!r}: its weights (model.safetensors) could not be loaded: {type(err).__name__}: {err}") from None
     if config.disable_backbone_dropout:
-        disable_dropout(model)
+        hf_compat.disable_dropout(model)
     model.config.use_cache = False
     return model
-
-
-def disable_dropout(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        # Llama-style attention passes a float attribute to the attention kernel instead of a module.
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
 
 
 def resize_and_init_rows(model: nn.Module, tokenizer, *, tokens: TemplateTokens, vocab_before: dict, noise: float, generator: torch.Generator) -> float:
@@ -271,8 +262,8 @@ def decoder_matches_lm(peft_model: nn.Module, *, probe_ids: torch.Tensor, forwar
     on ``probe_ids`` (1, 3). Models that scale or cap their logits after the head fail the check and
     keep the full-logits path."""
     hf = peft_model.get_base_model()
-    decoder, head = getattr(hf, "base_model", hf), hf.get_output_embeddings()
-    if decoder is hf or head is None or getattr(hf.config, "final_logit_softcapping", None) is not None:
+    decoder, head = hf_compat.lm_decoder(peft_model), hf.get_output_embeddings()
+    if decoder is None or head is None or getattr(hf.config, "final_logit_softcapping", None) is not None:
         return False
     if not (forward_params & {"cache", "past_key_values", "position_ids"}) <= set(inspect.signature(decoder.forward).parameters):
         return False

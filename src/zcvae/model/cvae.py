@@ -452,7 +452,7 @@ class ZCVAE(nn.Module):
             device = next(self.peft_model.parameters()).device
             probe = torch.tensor([[self.tokens.bos, self.tokens.x_open, self.tokens.x_close]], device=device)
             self._decoder_ok = build.decoder_matches_lm(self.peft_model, probe_ids=probe, forward_params=self._hf_forward_params)
-        return self.peft_model.get_base_model().base_model if self._decoder_ok else None
+        return hf_compat.lm_decoder(self.peft_model) if self._decoder_ok else None
 
     def _router_states(self, batch: Batch, *, n_span: int):
         """One LoRA-adapted z-free pass -> (h_prior_BH, h_posterior_BH, zfree_nll_BN, mask_BN)."""
@@ -629,7 +629,7 @@ class ZCVAE(nn.Module):
             out += [(f"projection.{n}", p) for n, p in self.projection.named_parameters()]
         return out
 
-    def _lora_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+    def lora_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         latent = {id(p) for _, p in self._latent_named_parameters()}
         return [(f"peft_model.{n}", p) for n, p in self.peft_model.named_parameters() if p.requires_grad and id(p) not in latent]
 
@@ -641,7 +641,7 @@ class ZCVAE(nn.Module):
         both. The frozen embedding matrix is in neither group, so weight decay never touches it."""
         lwd = weight_decay if latent_weight_decay is None else latent_weight_decay
         return [
-            {"name": "lora", "params": [p for _, p in self._lora_named_parameters()], "lr": lora_lr, "weight_decay": weight_decay},
+            {"name": "lora", "params": [p for _, p in self.lora_named_parameters()], "lr": lora_lr, "weight_decay": weight_decay},
             {"name": "latent", "params": [p for _, p in self._latent_named_parameters()], "lr": latent_lr, "weight_decay": lwd},
         ]
 
@@ -660,7 +660,7 @@ class ZCVAE(nn.Module):
             raise RuntimeError("no trainable z rows (trainable_tokens_delta) found in the model")
         bad = [
             f"{n} ({'requires_grad=False' if not p.requires_grad else 'not in the optimizer'})"
-            for n, p in latent + self._lora_named_parameters()
+            for n, p in latent + self.lora_named_parameters()
             if not p.requires_grad or id(p) not in ids
         ]
         if bad:

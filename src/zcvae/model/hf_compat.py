@@ -9,6 +9,10 @@ peft
     ``trainable_tokens_delta``: the name of the parameter that holds the trained rows of a
     ``trainable_token_indices`` layer (``TRAINABLE_TOKENS_DELTA``), its ``trainable_tokens_original``
     buffer, ``token_indices`` and ``get_base_layer()`` (``token_adapter_rows``).
+    ``TrainableTokensLayer.base_layer``, the embedding or head whose full weight the layer reads
+    without calling it (``trainable_token_base_weights``), and the ``token_adapter`` that peft's
+    wrapper puts in the embedding's place (``embedding_weight``).
+    ``peft_config[active_adapter]``: the LoRA config a model was built with (``adapter_config``).
     LoRA's initialisation order (``lora_initial_values``): per LoRA layer, in module order,
     ``nn.Linear(in, r)`` then ``nn.Linear(r, out)`` (each drawing its default init), then
     ``kaiming_uniform_(A, a=sqrt(5))`` and zeros for B, the adapters cast through the base weight's
@@ -25,6 +29,12 @@ transformers
     ``transformers.initialization.no_init_weights`` and ``integrations.deepspeed.prevent_arange_dtype_change``:
     building a model inside ``deepspeed.zero.Init`` without drawing weights that the checkpoint
     overwrites, with RoPE buffers in float32 (``zero3_build_contexts``).
+    ``_no_split_modules``: the class names of a model's repeated blocks (``no_split_module_names``).
+    ``PreTrainedModel.base_model``: the model without its LM head (``lm_decoder``).
+    ``attention_dropout``: the float that Llama-style attention passes to its kernel instead of an
+    ``nn.Dropout`` (``disable_dropout``).
+    ``max_position_embeddings`` / ``n_positions`` / ``n_ctx``: a config's position limit, by
+    architecture (``position_limit``).
 """
 
 from __future__ import annotations
@@ -38,17 +48,24 @@ from torch import nn
 
 __all__ = [
     "TRAINABLE_TOKENS_DELTA",
+    "adapter_config",
     "adapters_disabled",
     "cache_kwarg",
     "cache_through_checkpointing",
     "checkpointing_layers",
+    "disable_dropout",
+    "embedding_weight",
     "enable_layer_checkpointing",
     "forward_parameter_names",
     "layer_checkpointing_active",
     "layer_checkpointing_off",
     "lm_cache_kwarg",
+    "lm_decoder",
     "lora_initial_values",
+    "no_split_module_names",
+    "position_limit",
     "token_adapter_rows",
+    "trainable_token_base_weights",
     "zero3_build_contexts",
     "recorded_kv",
     "replay_safe_cache",
@@ -270,3 +287,61 @@ def zero3_build_contexts(zero_init) -> list:
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
     return [no_init_weights(), prevent_arange_dtype_change(), zero_init]
+
+
+def trainable_token_base_weights(model: nn.Module) -> list[tuple[nn.Module, nn.Parameter]]:
+    """Every peft trainable-token layer in ``model`` with the full weight it reads from its child
+    (``base_layer.weight``, the embedding or a tied LM head) without calling that child."""
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    return [(m, m.base_layer.weight) for m in model.modules()
+            if isinstance(m, TrainableTokensLayer) and hasattr(getattr(m, "base_layer", None), "weight")]
+
+
+def embedding_weight(module: nn.Module) -> torch.Tensor:
+    """The full weight of an embedding or LM head, also when peft's trainable-token wrapper stands in
+    its place (the wrapped module's weight, not the wrapper's)."""
+    return getattr(getattr(module, "token_adapter", None), "base_layer", module).weight
+
+
+def adapter_config(peft_model: nn.Module):
+    """The ``peft.LoraConfig`` of ``peft_model``'s active adapter (zcvae builds exactly one)."""
+    return peft_model.peft_config[peft_model.active_adapter]
+
+
+def no_split_module_names(model: nn.Module) -> set[str]:
+    """The class names that any Hugging Face model inside ``model`` declares as blocks never to split
+    (``_no_split_modules``, e.g. ``{"LlamaDecoderLayer"}``); empty for other modules."""
+    names: set[str] = set()
+    for m in model.modules():
+        names |= set(getattr(m, "_no_split_modules", None) or ())
+    return names
+
+
+def lm_decoder(peft_model: nn.Module) -> nn.Module | None:
+    """The decoder of the Hugging Face LM inside ``peft_model``: the model without its LM head
+    (``base_model``), or None when the LM has no separate one."""
+    hf = peft_model.get_base_model()
+    decoder = getattr(hf, "base_model", hf)
+    return None if decoder is hf else decoder
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Every dropout in ``model`` off: ``nn.Dropout`` modules and the float that Llama-style attention
+    passes to its kernel instead of a module."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def position_limit(config) -> int | None:
+    """The most positions a backbone with this Hugging Face config was built for, under the name its
+    architecture uses (Llama ``max_position_embeddings``, GPT-2 ``n_positions``, some ``n_ctx``); None
+    when it names none (or ``config`` is None)."""
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

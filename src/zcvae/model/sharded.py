@@ -129,7 +129,7 @@ def build_skeleton(backbone_dir: str, config: ModelConfig, *, loading: ShardedLo
     for name, p in model.named_parameters():  # tied weights appear once, under the name that is saved
         keys[id(p)] = name
     if config.disable_backbone_dropout:
-        build.disable_dropout(model)
+        hf_compat.disable_dropout(model)
     model.config.use_cache = False
     return model, reader, keys, old_rows
 

@@ -101,7 +101,7 @@ class GradientProbe:
     @classmethod
     def for_model(cls, model, *, task=None, tokenizer=None) -> "GradientProbe":
         """The probe of a ``ZCVAE``: its router's posterior head and its LoRA weights."""
-        lora = [p for _, p in model._lora_named_parameters()]  # the "lora" optimizer group (one home)
+        lora = [p for _, p in model.lora_named_parameters()]  # the "lora" optimizer group (one home)
         return cls({"posterior_head": list(model.router.posterior_head.parameters()), "lora": lora},
                    task=task, tokenizer=tokenizer)
 

@@ -452,13 +452,9 @@ def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
 
     if cfg.model.latent_type == "discrete" and cfg.model.num_latents > MAX_FIGURE_ROWS:
         log(f"[eval] num_latents {cfg.model.num_latents} > {MAX_FIGURE_ROWS}: latents.png shows the {MAX_FIGURE_ROWS} most used latents")
-    config = getattr(getattr(model, "peft_model", None), "config", None)
-    limit = None
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            limit = value
-            break
+    from zcvae.model.hf_compat import position_limit
+
+    limit = position_limit(getattr(getattr(model, "peft_model", None), "config", None))
     if limit is not None and cfg.data.max_length > limit:
         raise ValueError(f"max_length {cfg.data.max_length} exceeds the backbone's {limit} positions (max_position_embeddings of "
                          f"{str(backbone)!r}); use --max-length {limit} or less")

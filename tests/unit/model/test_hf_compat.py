@@ -154,3 +154,85 @@ def test_the_cache_reaches_checkpointed_layers_and_the_backward_is_exact(tiny_ll
     for name, g in plain.items():
         torch.testing.assert_close(ckpt[name], g, atol=1e-5, rtol=1e-5,
                                    msg=f"{name}: the checkpoint replay through the shared cache changed the gradient")
+
+
+def test_trainable_token_layers_read_the_full_weight_of_their_base_layer(tiny_llama):
+    lm = tiny_llama(V)
+    embedding = lm.get_input_embeddings().weight
+    model = _peft(lm, trainable_tokens=[3, 5])
+    found = hf_compat.trainable_token_base_weights(model)
+    assert found and any(weight is embedding for _, weight in found), (
+        "peft: TrainableTokensLayer no longer keeps the embedding it wraps as `base_layer` "
+        "(ZeRO-3 would not gather the weight the layer reads)"
+    )
+    assert all(weight.shape[0] == V for _, weight in found), "a base weight is the full matrix, one row per token"
+
+
+def test_embedding_weight_sees_through_the_trainable_token_wrapper(tiny_llama):
+    lm = tiny_llama(V)
+    embedding = lm.get_input_embeddings()
+    assert hf_compat.embedding_weight(embedding) is embedding.weight
+    model = _peft(lm, trainable_tokens=[3, 5])
+    assert model.get_input_embeddings() is not embedding, "peft no longer wraps the embedding: this test checks nothing"
+    assert hf_compat.embedding_weight(model.get_input_embeddings()) is embedding.weight, (
+        "peft: the trainable-token wrapper no longer holds the embedding at `token_adapter.base_layer`"
+    )
+
+
+def test_adapter_config_is_the_lora_config_the_model_was_built_with(tiny_llama):
+    from peft import LoraConfig
+
+    config = hf_compat.adapter_config(_peft(tiny_llama(V)))
+    assert isinstance(config, LoraConfig) and config.r == 2 and set(config.target_modules) == {"q_proj", "v_proj"}, (
+        "peft: `peft_config[active_adapter]` is no longer the model's LoraConfig"
+    )
+
+
+def test_no_split_module_names_name_the_decoder_layers(tiny_llama):
+    model = _peft(tiny_llama(V))
+    names = hf_compat.no_split_module_names(model)
+    assert names == {"LlamaDecoderLayer"}, f"transformers: Llama's `_no_split_modules` is {names}, FSDP2 shards by it"
+    assert hf_compat.no_split_module_names(torch.nn.Linear(2, 2)) == set()
+
+
+def test_lm_decoder_is_the_model_without_its_head(tiny_llama):
+    model = _peft(tiny_llama(V))
+    decoder = hf_compat.lm_decoder(model)
+    assert decoder is not None, "transformers: LlamaForCausalLM.base_model is no longer its decoder"
+    ids = _ids()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        hidden = decoder(input_ids=ids).last_hidden_state
+        head_logits = model.get_output_embeddings()(hidden)
+    torch.testing.assert_close(head_logits, logits, msg="transformers: head(base_model(...).last_hidden_state) is no longer the LM's logits")
+
+
+def test_disable_dropout_also_zeroes_the_float_attention_dropout(tiny_llama):
+    lm = tiny_llama(V).train()
+    attention = [m for m in lm.modules() if isinstance(getattr(m, "attention_dropout", None), float)]
+    assert attention, "transformers: Llama attention no longer keeps its dropout in a float `attention_dropout`"
+    for m in attention:
+        m.attention_dropout = 0.5
+    ids = _ids()
+    with torch.no_grad():
+        torch.manual_seed(0)
+        first = lm(input_ids=ids).logits
+        torch.manual_seed(1)
+        assert not torch.equal(lm(input_ids=ids).logits, first), "attention_dropout 0.5 must make the training forward random"
+        hf_compat.disable_dropout(lm)
+        torch.manual_seed(0)
+        first = lm(input_ids=ids).logits
+        torch.manual_seed(1)
+        assert torch.equal(lm(input_ids=ids).logits, first), "a training forward still drops out after disable_dropout"
+
+
+def test_position_limit_reads_each_architectures_name():
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, LlamaConfig
+
+    assert hf_compat.position_limit(LlamaConfig(max_position_embeddings=64)) == 64
+    assert hf_compat.position_limit(GPT2Config(n_positions=32)) == 32
+    assert hf_compat.position_limit(SimpleNamespace(n_ctx=16)) == 16
+    assert hf_compat.position_limit(SimpleNamespace(max_position_embeddings=None)) is None
+    assert hf_compat.position_limit(None) is None

@@ -49,7 +49,7 @@ def _terms(cfg, model, batch):
 
 
 def _groups(model):
-    return {"posterior_head": list(model.router.posterior_head.parameters()), "lora": [p for _, p in model._lora_named_parameters()]}
+    return {"posterior_head": list(model.router.posterior_head.parameters()), "lora": [p for _, p in model.lora_named_parameters()]}
 
 
 def _grad_norms_by_backward(cfg, model, batches, term: str, count: float) -> dict[str, float]:
