@@ -1,5 +1,5 @@
 """The step guard across two real gloo processes: a signal or a non-finite loss seen by ONE rank stops
-BOTH at the same step, so no rank is left waiting in a collective (zcvae.train.guards).
+BOTH at the same step, so no rank is left waiting in a collective (zcvae.loop.guards).
 
 Each rank runs the guard's per-step check (the one all-reduce the trainer runs after every optimizer
 step) over five steps. Scenario "signal": only rank 1 has received SIGUSR1, before step 3. Scenario
@@ -36,7 +36,7 @@ def _terms(loss: float):
 
 def _worker(out: str) -> None:
     from zcvae.distributed import init_distributed
-    from zcvae.train.guards import StepGuard, StopSignals, TrainingDiverged
+    from zcvae.loop.guards import StepGuard, StopSignals, TrainingDiverged
 
     info = init_distributed(require_group=True)
     engine, count = _Engine(), torch.tensor(4.0)

@@ -205,7 +205,7 @@ def _step_terms(loss: float) -> tuple[dict, torch.Tensor]:
 
 
 def test_02_skip_nonfinite_steps_passes_over_n_steps_logging_each_then_stops():
-    from zcvae.train.guards import StepGuard, TrainingDiverged
+    from zcvae.loop.guards import StepGuard, TrainingDiverged
 
     logged = []
     guard = StepGuard(skip_budget=2, log=logged.append)
@@ -308,7 +308,7 @@ def test_03_ctrl_c_inside_a_save_is_one_line_and_removes_its_tmp(tiny_backbone, 
 
 def test_03_the_sbatch_template_asks_for_the_early_signal_and_requeues_on_the_stop_code():
     from zcvae.sweep.slurm import DEFAULT_TEMPLATE
-    from zcvae.train.guards import EXIT_PREEMPTED
+    from zcvae.loop.guards import EXIT_PREEMPTED
 
     text = DEFAULT_TEMPLATE.read_text()
 

@@ -72,7 +72,7 @@ def _resolve_device(name: str) -> torch.device:
 def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> dict:
     """Train the backbone, write the checkpoint to ``config.output_dir`` and return the summary.
 
-    The steps run on the training loop of ``zcvae train`` (``zcvae.train.loop``) and its engines, so the
+    The steps run on the training loop of ``zcvae train`` (``zcvae.loop.driver.run_loop``) and its engines, so the
     stage runs multi-process under torchrun, resumes (``resume="auto"``) and logs metrics.jsonl and
     TensorBoard into ``output_dir``; its checkpoints go to ``output_dir/checkpoints``.
 

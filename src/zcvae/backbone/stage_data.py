@@ -147,7 +147,7 @@ def validation_targets(task, tokenizer, val_examples, val: list[EncodedExample])
 
 
 class SpanNLLObjective:
-    """The entangled stage's objective for ``zcvae.train.loop``: z-free mean token NLL over the
+    """The entangled stage's objective for ``zcvae.loop.driver.run_loop``: z-free mean token NLL over the
     supervised span (y and ``</y>``) of the two-template mix, over the global batch's tokens.
 
     Each row's template is drawn from (seed, step, its place in the global batch), so every world size

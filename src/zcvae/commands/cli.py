@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; user errors, a full or read-only disk, a diverged or preempted run and Ctrl-C
     each end in one line on stderr and an exit code (2 user error, 3 diverged, 75 preempted, 130 Ctrl-C)."""
     from zcvae.runs.rundir import describe_disk_error
-    from zcvae.train.guards import EXIT_INTERRUPTED, RunStopped
+    from zcvae.loop.guards import EXIT_INTERRUPTED, RunStopped
 
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and not argv[0].startswith("-") else "zcvae"

@@ -9,7 +9,7 @@ What one optimizer step does, for any objective and any engine:
    micro-batch contributes ``local_sum / global_count`` and (world 1, accumulation 4) takes the same
    step as (world 2, accumulation 2);
 4. per micro-batch the objective's loss (the callback), backward with gradient sync on the last;
-5. ``engine.step`` with clipping, the divergence guard and the preemption stop (``train.guards``);
+5. ``engine.step`` with clipping, the divergence guard and the preemption stop (``loop.guards``);
 6. the metric window (exact over ranks) into the RunLogger (metrics.jsonl + TensorBoard), the
    progress bar, periodic evaluation and periodic checkpoints; at the end the final evaluation and
    checkpoint.
@@ -116,8 +116,8 @@ def run_loop(
 
     ``checkpoint_state``: the keyword arguments ``checkpoints.save`` takes besides engine and step
     (``config``, ``c_base``). ``evaluate(step)`` evaluates and logs. Raises
-    :class:`~zcvae.train.guards.Preempted` after saving when a stop signal arrived, and
-    :class:`~zcvae.train.guards.TrainingDiverged` on a divergence. ``cpu_threads``: a
+    :class:`~zcvae.loop.guards.Preempted` after saving when a stop signal arrived, and
+    :class:`~zcvae.loop.guards.TrainingDiverged` on a divergence. ``cpu_threads``: a
     :class:`~zcvae.distributed.CoreFollower` updated after each log window (None: the thread count stays).
     """
     s = settings

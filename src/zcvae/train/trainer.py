@@ -141,7 +141,7 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False, allow_changes
 
     Rank 0 holds the run directory's lock (zcvae.runs.lock) for the whole run, taken before anything
     there is read or written and before the model loads; SIGTERM/SIGUSR1 become a stop at the end of the
-    current step (zcvae.train.guards). Raises :class:`~zcvae.train.guards.RunStopped` when the run
+    current step (zcvae.loop.guards). Raises :class:`~zcvae.loop.guards.RunStopped` when the run
     diverged or was preempted.
     """
     run_dir = Path(cfg.run.output_dir)
@@ -390,7 +390,7 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
 
 
 class CVAEObjective:
-    """The CVAE objective of one micro-batch for ``zcvae.train.loop``: the z-free reference NLL, the
+    """The CVAE objective of one micro-batch for ``zcvae.loop.driver.run_loop``: the z-free reference NLL, the
     model's forward, ``per_example_objective`` over the global count, the marginal/router terms (their
     own all-reduce per global micro-batch) and the gradient probe."""
 

@@ -1,4 +1,4 @@
-"""MetricWindow (zcvae.train.trainer): the running per-example reductions the trainer logs.
+"""MetricWindow (zcvae.loop.logs): the running per-example reductions the training loop logs.
 
 Each per-example value is reduced as ``losses.DIAGNOSTIC_REDUCTIONS`` says, over *valid* examples
 only (invalid rows hold 0 and must not pull a minimum down or count in a mean), accumulated across
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS
-from zcvae.train.trainer import MetricWindow
+from zcvae.loop.logs import MetricWindow
 
 # two micro-batches; the second row of the first and the last of the second are invalid
 VALID = [torch.tensor([1.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 0.0])]
