@@ -131,7 +131,7 @@ class EngineSection(StrictDataclass):
     engine: str = _f("local", "local (DDP when launched with several processes), deepspeed or fsdp2.", choices=("local", "deepspeed", "fsdp2"))
     deepspeed_config: str | None = _f(None, "DeepSpeed JSON config (ds_configs/zero2.json when omitted).")
     precision: str = _f("fp32", "fp32 or bf16.", choices=("fp32", "bf16"))
-    base_dtype: str | None = _f(None, "Dtype of the frozen backbone weights (the LoRA adapters, z rows and router heads always keep float32 masters): float32, bfloat16, or auto (as saved in the checkpoint). Default: bfloat16 under --precision bf16, float32 otherwise. A bfloat16 base halves the frozen weights' memory on every engine; gloo (CPU) cannot run bfloat16 collectives, so on CPU it needs world size 1.", choices=("float32", "bfloat16", "auto"))
+    base_dtype: str | None = _f(None, "Dtype of the frozen backbone weights (the LoRA adapters, z rows and router heads always keep float32 masters): float32, bfloat16, or auto (as saved in the checkpoint). Default: bfloat16 under --precision bf16, float32 otherwise. A bfloat16 base halves the frozen weights' memory on every engine (gloo runs its bfloat16 collectives too: measured with torch 2.13).", choices=("float32", "bfloat16", "auto"))
     cpu_offload: bool = _f(False, "Offload optimizer state (and ZeRO-3 parameters) to CPU.")
 
 
