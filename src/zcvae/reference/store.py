@@ -10,7 +10,7 @@ Two policies give the same b (up to the float noise of a different batch composi
 
 ``online``
     The trainer calls ``engine.module(batch, mode="reference")`` for every micro-batch, *before* the
-    training forward (ZeRO-3 ordering: the reference forward gathers the same sharded weights; README, "Scaling out"). Nothing is stored.
+    training forward (ZeRO-3 ordering: the reference forward gathers the same sharded weights; docs/guide/scaling-out.md). Nothing is stored.
 ``precomputed``
     b of every training and validation example is computed once by :func:`compute_reference_store`
     and kept in a :class:`ReferenceStore` keyed by example id; the trainer then calls
