@@ -216,8 +216,8 @@ def limit_heap_retention() -> bool:
 
     Why: glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB), after which
     tensors of up to that size come from the heap, and a heap fragmented by many of them is never given
-    back. Measured on a SmolLM2-360M shape, world 2 on CPU under FSDP2: per-rank peak RSS 4.2 GiB
-    against 1.9 GiB with a fixed 1 MiB threshold (BENCHMARKS.md, "Host memory"). Setting the threshold
+    back. Measured on a SmolLM2-360M shape, world 2 on CPU under FSDP2 (bench/memory_bench.py, BENCHMARKS.md,
+    "Host memory"): per-rank peak RSS 4.54 / 3.55 GiB against 1.92 / 1.92 GiB with a fixed 1 MiB threshold. Setting the threshold
     also ends its dynamic growth. Nothing else changes: not a number, only where the memory comes from.
     ``MALLOC_MMAP_THRESHOLD_`` in the environment, if set, is the user's choice and is left alone."""
     import ctypes

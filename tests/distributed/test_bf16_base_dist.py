@@ -31,29 +31,19 @@ RUNS = {"w1": (1, ["--engine", "local"]), "zero3": (2, ["--engine", "deepspeed",
 def runs(tiny_backbone, tmp_path_factory):
     root = tmp_path_factory.mktemp("bf16_base")
     env = C.cpu_env(root / "zcvae-cache")
-    pool = C.LaunchPool(max_workers=5)
     backbone = tiny_backbone()
-    for name, (world, engine) in RUNS.items():
-        args = ["train", "--backbone", backbone, "--output-dir", root / f"run-{name}", *COMMON, *engine,
-                "--gradient-accumulation-steps", str(4 // world)]
-        cmds = [C.zcvae_cmd(*args)] if world == 1 else [C.torchrun_cmd(*args, nproc=world)]
-        pool.submit(C.Launch(name, cmds, num_workers=world, log_dir=root, env=env, timeout_s=420))
-    pool.start()
+    # run-<name>: the launches run in root, where a directory named zero3 would shadow the built-in config
+    pool = C.cli_runs(root, RUNS, lambda name, world, engine: [
+        "train", "--backbone", backbone, "--output-dir", root / f"run-{name}", *COMMON, *engine,
+        "--gradient-accumulation-steps", str(4 // world)], env=env, timeout_s=420)
     yield pool, root
     pool.cancel_all()
-
-
-def _finished(pool, root, name):
-    launch = pool.wait(name)
-    if not launch.ok:
-        pytest.fail(launch.failure())
-    return root / f"run-{name}"
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp2"])
 def test_a_bfloat16_base_at_world_2_on_gloo_trains_as_at_world_1(runs, name):
     pool, root = runs
-    got, want = _finished(pool, root, name), _finished(pool, root, "w1")
+    got, want = C.finished_run(pool, root, name), C.finished_run(pool, root, "w1")
     config = C.read_run_config(got)
     assert config["world_size"] == 2
     got_train, want_train = C.read_metrics(got)[0], C.read_metrics(want)[0]

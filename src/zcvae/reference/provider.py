@@ -5,7 +5,6 @@ training and validation b. Shapes as in zcvae.reference.store.
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import hashlib
 import os
@@ -61,8 +60,9 @@ class ReferenceProvider:
         provides ``module`` (wrapped), ``all_reduce`` and ``info`` (rank, world_size, device).
         ``phases``: a ``zcvae.loop.setup.SetupPhases`` that names, reports and can stop the passes (None: silent).
         """
-        phases = phases if phases is not None else _SILENT
         from zcvae.distributed import dist_info
+
+        phases = phases if phases is not None else _SILENT
 
         info = getattr(engine, "info", None) or dist_info()
         gather = torch.distributed.all_gather_object if info.world_size > 1 else None
