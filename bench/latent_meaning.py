@@ -6,7 +6,7 @@ latent, whose y it wrote: the strategy whose row for the same x has that y.
 
 A latent that means one strategy writes that strategy's y for every x (one column of its row). A latent
 that writes one strategy's y for some x and another's for others has learned a per-x assignment of the
-outputs, which the likelihood cannot tell from the strategy (README, "The default", on `ambiguous`). Best
+outputs, which the likelihood cannot tell from the strategy (docs/results/default.md, on `ambiguous`). Best
 on a file that holds each x under every strategy (as the example families' val files do); a decode that
 matches no row of its x counts as ``other``, and one that matches several (x a palindrome under copy and
 reverse) as ``tie``.

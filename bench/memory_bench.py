@@ -13,8 +13,8 @@ Per case (shape, engine, world):
    rank runs the CLI entry in process (``zcvae.commands.cli.main``) and prints its own peak resident set
    (``getrusage(RUSAGE_SELF).ru_maxrss``, the kernel's high-water mark: exact, and independent of machine load);
 3. the same command on the tiny checkpoint; measured = the mean over ranks of (peak - tiny peak), the
-   model-dependent part; predicted = `zcvae plan --device cpu --loading replicated` (today's loading: every
-   rank builds the whole fp32 model) with the same flags, its model-dependent part.
+   model-dependent part; predicted = `zcvae plan --device cpu` with the same flags (``--loading sharded`` on ZeRO-3
+   and FSDP2, which shard the base as it loads; replicated elsewhere), its model-dependent part.
 
 Prints one table row per case: measured and predicted GiB, their ratio, and both as a multiple of the
 model's fp32 bytes (4 N). ``--write BENCHMARKS.md`` replaces the section between its markers.
@@ -69,15 +69,23 @@ def checkpoint(shape: str, overrides: dict, keep: Path, *, dtype: str = "bfloat1
     return out
 
 
-def train_argv(backbone: Path, engine: str, run_dir: Path) -> list[str]:
-    return ["train", "--backbone", str(backbone), *TRAIN_FLAGS, *ENGINES[engine], "--output-dir", str(run_dir)]
+# the engines that shard the base as it loads (zcvae.engines.sharded_loading); the others replicate it
+SHARDED = ("zero3", "fsdp2")
 
 
-def measure(backbone: Path, engine: str, world: int, *, work: Path, timeout: float) -> list[int]:
+def base_flags(base_dtype: str | None) -> list[str]:
+    return [] if base_dtype is None else ["--base-dtype", base_dtype]
+
+
+def train_argv(backbone: Path, engine: str, run_dir: Path, base_dtype: str | None = None) -> list[str]:
+    return ["train", "--backbone", str(backbone), *TRAIN_FLAGS, *ENGINES[engine], *base_flags(base_dtype), "--output-dir", str(run_dir)]
+
+
+def measure(backbone: Path, engine: str, world: int, *, work: Path, timeout: float, base_dtype: str | None = None) -> list[int]:
     """Peak RSS (bytes) of every rank of one `zcvae train` under torchrun."""
     run_dir = Path(tempfile.mkdtemp(dir=work, prefix=f"{engine}-w{world}-"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), str(Path(__file__).resolve()),
-           "--worker", "--", *train_argv(backbone, engine, run_dir / "run")]
+           "--worker", "--", *train_argv(backbone, engine, run_dir / "run", base_dtype)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p),
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
@@ -87,35 +95,38 @@ def measure(backbone: Path, engine: str, world: int, *, work: Path, timeout: flo
     return [p["peak"] for p in sorted(peaks, key=lambda p: p["rank"])]
 
 
-def predict(backbone: Path, engine: str, world: int) -> dict:
-    """`zcvae plan`'s CPU prediction (model-dependent part, bytes per rank) for the measured command."""
+def predict(backbone: Path, engine: str, world: int, *, base_dtype: str | None = None, loading: str | None = None) -> dict:
+    """`zcvae plan`'s CPU prediction (model-dependent part, bytes per rank) for the measured command.
+    ``loading``: what the plan assumes (default: what zcvae does, sharded on ZeRO-3 and FSDP2)."""
     from zcvae.plan.cli import plan_from_argv
 
+    loading = loading or ("sharded" if engine in SHARDED else "replicated")
     argv = ["--backbone", str(backbone), *ENGINES[engine], "--world-size", str(world), "--micro-batch-size", "1", "--device", "cpu",
-            "--loading", "replicated", "--step", "first", "--task", "copy", "--num-train-examples", str(NUM_TRAIN)]
+            "--loading", loading, *base_flags(base_dtype), "--step", "first", "--task", "copy", "--num-train-examples", str(NUM_TRAIN)]
     return plan_from_argv(argv)
 
 
-def run_case(shape: str, engine: str, world: int, *, keep: Path, work: Path, timeout: float, tiny_cache: dict) -> dict:
+def run_case(shape: str, engine: str, world: int, *, keep: Path, work: Path, timeout: float, tiny_cache: dict,
+             base_dtype: str | None = None) -> dict:
     from zcvae.plan.shapes import load_shape, num_parameters
 
     big, tiny = checkpoint(shape, {}, keep), checkpoint(TINY[0], TINY[1], keep)
-    key = (engine, world)
+    key = (engine, world, base_dtype)
     if key not in tiny_cache:
-        tiny_cache[key] = measure(tiny, engine, world, work=work, timeout=timeout)
-    peaks = measure(big, engine, world, work=work, timeout=timeout)
+        tiny_cache[key] = measure(tiny, engine, world, work=work, timeout=timeout, base_dtype=base_dtype)
+    peaks = measure(big, engine, world, work=work, timeout=timeout, base_dtype=base_dtype)
     measured = sum(p - t for p, t in zip(peaks, tiny_cache[key])) / world
-    plan = predict(big, engine, world)
+    plan = predict(big, engine, world, base_dtype=base_dtype)
     fp32 = 4 * num_parameters(load_shape(shape)[1])
-    return {"shape": shape, "engine": engine, "world": world, "peaks": peaks, "tiny": tiny_cache[key], "measured": measured,
-            "predicted": plan["model_bytes"], "fp32": fp32, "plan": plan}
+    return {"shape": shape, "engine": engine, "world": world, "base": base_dtype or "default", "peaks": peaks, "tiny": tiny_cache[key],
+            "measured": measured, "predicted": plan["model_bytes"], "fp32": fp32, "plan": plan}
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["| shape | engine | world | tiny peak GiB | peak GiB (per rank) | measured - tiny GiB | plan GiB | plan / measured | measured / fp32 | plan / fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | engine | world | base | tiny peak GiB | peak GiB (per rank) | measured - tiny GiB | plan GiB | plan / measured | measured / fp32 | plan / fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['engine']} | {r['world']} | {max(r['tiny']) / GiB:.2f} | "
+        lines.append(f"| {r['shape']} | {r['engine']} | {r['world']} | {r['base']} | {max(r['tiny']) / GiB:.2f} | "
                      f"{' / '.join(f'{p / GiB:.2f}' for p in r['peaks'])} | {r['measured'] / GiB:.2f} | {r['predicted'] / GiB:.2f} | "
                      f"{r['predicted'] / r['measured']:.2f} | {r['measured'] / r['fp32']:.2f}x | {r['predicted'] / r['fp32']:.2f}x |")
     return "\n".join(lines)
@@ -135,17 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         return worker(argv[2:] if argv[1:2] == ["--"] else argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="SmolLM2-135M,SmolLM2-360M", help="comma list of shapes (zcvae.plan.shapes)")
-    p.add_argument("--cases", default="local:1,zero3:2,fsdp2:2", help="comma list of ENGINE:WORLD (engines: %s)" % ", ".join(ENGINES))
+    p.add_argument("--cases", default="local:1,zero3:2,fsdp2:2,local:1:bfloat16",
+                   help="comma list of ENGINE:WORLD[:BASE_DTYPE] (engines: %s; base dtype float32 or bfloat16, default the run's)" % ", ".join(ENGINES))
     p.add_argument("--keep", default=None, help="directory of the random checkpoints (default: a temporary one, deleted)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--write", default=None, help="replace the memory_bench section of this file (BENCHMARKS.md)")
     args = p.parse_args(argv)
     cases = []
     for item in args.cases.split(","):
-        engine, _, world = item.partition(":")
-        if engine not in ENGINES or not world.isdigit():
-            raise SystemExit(f"memory_bench: --cases: bad case {item!r} (ENGINE:WORLD, engines {', '.join(ENGINES)})")
-        cases.append((engine, int(world)))
+        engine, world, base, *rest = item.split(":") + [None, None]
+        if engine not in ENGINES or not (world or "").isdigit() or base not in (None, "float32", "bfloat16") or any(rest):
+            raise SystemExit(f"memory_bench: --cases: bad case {item!r} (ENGINE:WORLD[:BASE_DTYPE], engines {', '.join(ENGINES)})")
+        cases.append((engine, int(world), base))
     with tempfile.TemporaryDirectory(prefix="memory_bench-") as tmp:
         keep = Path(args.keep) if args.keep else Path(tmp) / "shapes"
         keep.mkdir(parents=True, exist_ok=True)
@@ -153,15 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir()
         rows, tiny_cache = [], {}
         for shape in args.shapes.split(","):
-            for engine, world in cases:
-                row = run_case(shape, engine, world, keep=keep, work=work, timeout=args.timeout, tiny_cache=tiny_cache)
+            for engine, world, base in cases:
+                row = run_case(shape, engine, world, keep=keep, work=work, timeout=args.timeout, tiny_cache=tiny_cache, base_dtype=base)
                 rows.append(row)
                 print(render([row]).splitlines()[-1], flush=True)
     table = render(rows)
     print()
     print(table)
     for r in rows:
-        print(f"{r['shape']} {r['engine']} w{r['world']}: " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in r["plan"]["terms"].items()))
+        print(f"{r['shape']} {r['engine']} w{r['world']} base {r['base']}: " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in r["plan"]["terms"].items()))
     if args.write:
         write_section(Path(args.write), table)
     return 0

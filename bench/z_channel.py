@@ -19,7 +19,7 @@ the slot row). It prints the mean and the median over examples of
 Why: a discrete z enters the decoder only as a trainable row in this slot. An entangled stage that learned
 to ignore the slot (it carried only ``<znull>``) gives the CVAE's decoder a channel it must first open
 through LoRA; where that takes longer than the KL delay, q can find the strategies (it did on ``add``) while
-decoding ignores z, and the KL then collapses q. README, "The default", has the measurements.
+decoding ignores z, and the KL then collapses q. docs/results/default.md has the measurements.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ class EngineSection(StrictDataclass):
     engine: str = _f("local", "local (DDP when launched with several processes), deepspeed or fsdp2.", choices=("local", "deepspeed", "fsdp2"))
     deepspeed_config: str | None = _f(None, "DeepSpeed JSON config (ds_configs/zero2.json when omitted).")
     precision: str = _f("fp32", "fp32 or bf16.", choices=("fp32", "bf16"))
-    base_dtype: str | None = _f(None, "Dtype of the frozen backbone weights (the LoRA adapters, z rows and router heads always keep float32 masters): float32, bfloat16, or auto (as saved in the checkpoint). Default: bfloat16 under --precision bf16, float32 otherwise. A bfloat16 base halves the frozen weights' memory on every engine; gloo (CPU) cannot run bfloat16 collectives, so on CPU it needs world size 1.", choices=("float32", "bfloat16", "auto"))
+    base_dtype: str | None = _f(None, "Dtype of the frozen backbone weights (the LoRA adapters, z rows and router heads always keep float32 masters): float32, bfloat16, or auto (as saved in the checkpoint). Default: bfloat16 under --precision bf16, float32 otherwise. A bfloat16 base halves the frozen weights' memory on every engine (gloo runs its bfloat16 collectives too: measured with torch 2.13).", choices=("float32", "bfloat16", "auto"))
     cpu_offload: bool = _f(False, "Offload optimizer state (and ZeRO-3 parameters) to CPU.")
 
 
@@ -384,7 +384,7 @@ RECONSTRUCTION_WEIGHT_FIELDS = tuple(term.weight_field for term in RECONSTRUCTIO
 # One preset per arm of the aggregation pilot (raw, dist, tokcc and the hybrids, in mean and sum). Each sets all six reconstruction weights (absent = 0); alpha is
 # set only where the preset uses the surprisal-share token weights, else the config's alpha stays.
 # tokcc uses alpha 0.5: at alpha 1 nearly all of an example's weight sits on the one strategy-revealing
-# token, and the decoder's other tokens drift (README table: NMI 1 but exact match 0). tok (the raw surprisal-share
+# token, and the decoder's other tokens drift (docs/results/pilot.md: NMI 1 but exact match 0). tok (the raw surprisal-share
 # token-weighted term) and tokinv use the same alpha, so that the token-weighted presets compare at
 # matched alpha (the comparison is meant at the same mode, alpha and c_base); tokinv kept alpha 1 before, which confounded tokcc against tokinv.
 # The hybrids keep the raw term at weight 1, so the decoder is trained on every token as in plain
@@ -403,12 +403,12 @@ OBJECTIVE_PRESETS: dict[str, dict[str, float]] = {
     "raw+tokcc": {_W_RAW: 1.0, _W_TOKCC: 1.0, "token_weight_alpha": 0.5},
     "raw+dist": {_W_RAW: 1.0, _W_DIST: 1.0},
     # raw+dist plus the token-weighted L_tok, which puts the weight of each example on its high-surprisal
-    # (decision) tokens: the default preset's objective (README, "The default")
+    # (decision) tokens: the default preset's objective (docs/guide/objective-and-presets.md, "The default preset")
     "raw+tok+dist": {_W_RAW: 1.0, _W_TOK: 1.0, _W_DIST: 1.0, "token_weight_alpha": 0.5},
 }
 CUSTOM_OBJECTIVE = "custom"
 # What `zcvae train` runs when no objective flag is given: the run preset src/zcvae/presets/default.yaml,
-# its objective and the fields that go with it (README, "The default"); the library's TrainConfig() stays raw.
+# its objective and the fields that go with it (docs/guide/objective-and-presets.md, "The default preset"); the library's TrainConfig() stays raw.
 DEFAULT_PRESET = DEFAULT
 # Its objective, DEFAULT_OBJECTIVE, is read from that file at the end of this module (the file is its one home).
 # The hybrid the pilot families and `zcvae demo` run in mean and sum.

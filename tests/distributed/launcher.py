@@ -257,3 +257,25 @@ def compare_records(got: list[dict], want: list[dict], keys: list[str], *, tol: 
             elif not close(g[key], w[key], tol=tol):
                 errors.append(f"{what} step {w['step']}: {key} {g[key]!r} vs {w[key]!r}")
     return errors
+
+
+def cli_runs(root, runs: dict, args_of, *, env: dict[str, str], timeout_s: float = 420, max_workers: int = 5) -> "LaunchPool":
+    """Started pool of one `zcvae` CLI launch per ``runs`` entry (name: (world, engine flags)): ``args_of(name,
+    world, engine)`` gives its arguments; world 1 runs plainly, more under torchrun. Logs in ``root``."""
+    pool = LaunchPool(max_workers=max_workers)
+    for name, (world, engine) in runs.items():
+        args = args_of(name, world, engine)
+        cmds = [zcvae_cmd(*args)] if world == 1 else [torchrun_cmd(*args, nproc=world)]
+        pool.submit(Launch(name, cmds, num_workers=world, log_dir=root, env=env, timeout_s=timeout_s))
+    pool.start()
+    return pool
+
+
+def finished_run(pool: "LaunchPool", root, name: str):
+    """``root/run-<name>`` once launch ``name`` ended; the test fails with its log when it failed."""
+    import pytest
+
+    launch = pool.wait(name)
+    if not launch.ok:
+        pytest.fail(launch.failure())
+    return root / f"run-{name}"

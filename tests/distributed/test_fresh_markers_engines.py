@@ -52,15 +52,11 @@ KEYS = ["loss", "reconstruction_loss", "kl", "grad_norm"]
 def runs(raw_tiny_backbone, tmp_path_factory):
     root = tmp_path_factory.mktemp("fresh_markers")
     env = C.cpu_env(root / "zcvae-cache")
-    pool = C.LaunchPool(max_workers=5)
     backbone = raw_tiny_backbone()
-    for name, (world, engine) in RUNS.items():
-        # run-<name>: the launches run in root, where a directory named zero3 would shadow the built-in config
-        args = ["train", "--backbone", backbone, "--output-dir", root / f"run-{name}", *COMMON, *engine,
-                "--gradient-accumulation-steps", str(4 // world)]
-        cmds = [C.zcvae_cmd(*args)] if world == 1 else [C.torchrun_cmd(*args, nproc=world)]
-        pool.submit(C.Launch(name, cmds, num_workers=world, log_dir=root, env=env, timeout_s=LAUNCH_TIMEOUT_S))
-    pool.start()
+    # run-<name>: the launches run in root, where a directory named zero3 would shadow the built-in config
+    pool = C.cli_runs(root, RUNS, lambda name, world, engine: [
+        "train", "--backbone", backbone, "--output-dir", root / f"run-{name}", *COMMON, *engine,
+        "--gradient-accumulation-steps", str(4 // world)], env=env, timeout_s=LAUNCH_TIMEOUT_S)
     yield pool, root, backbone
     pool.cancel_all()
 
@@ -70,17 +66,10 @@ def _deltas(run_dir) -> dict[str, torch.Tensor]:
     return {k: v for k, v in trainable.items() if "trainable_tokens_delta" in k}
 
 
-def _finished(pool, root, name):
-    launch = pool.wait(name)
-    if not launch.ok:
-        pytest.fail(launch.failure())
-    return root / f"run-{name}"
-
-
 @pytest.mark.parametrize("name", ["zero3", "fsdp2"])
 def test_marker_rows_train_under_the_engine_as_in_one_process(runs, name):
     pool, root, backbone = runs
-    got, want = _finished(pool, root, name), _finished(pool, root, "w1")
+    got, want = C.finished_run(pool, root, name), C.finished_run(pool, root, "w1")
     assert C.read_run_config(got)["world_size"] == 2
     got_train, _ = C.read_metrics(got)
     want_train, _ = C.read_metrics(want)

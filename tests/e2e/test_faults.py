@@ -243,51 +243,92 @@ def _wait_for_holder(run_dir: Path, proc: subprocess.Popen) -> None:
     raise AssertionError("the run never took its lock")
 
 
+def _wait_for_step(run_dir: Path, proc: subprocess.Popen | None = None) -> None:
+    """Until the run logged a training step: its setup is over (a signal before that stops it in setup)."""
+    metrics = run_dir / "metrics.jsonl"
+    for _ in range(60000):
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} before its first step:\n{proc.stdout.read()[-3000:]}")
+        try:
+            if any(json.loads(line).get("split") == "train" for line in metrics.read_text().splitlines() if line.strip()):
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.01)
+    raise AssertionError("the run never logged a step")
+
+
+def _stopped_step(line: str, signame: str, max_steps: int) -> int:
+    import re
+
+    m = re.search(rf"stopped by {signame} after step (\d+) of {max_steps}", line)
+    assert m is not None, line
+    return int(m.group(1))
+
+
+STEPS_03 = 40  # tiny steps: the signal, sent after step 1 was logged, lands well before the last one
+
+
 def test_03_sigterm_saves_at_an_agreed_step_and_resume_is_bitwise(tiny_backbone, tmp_path, capsys, env, monkeypatch):
     # one thread here as in the real process, so the three runs sum in the same order
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = ["train", "--backbone", tiny_backbone, *TRAIN, "--max-steps", "5", "--save-every", "0"]
+        args = ["train", "--backbone", tiny_backbone, *TRAIN, "--max-steps", str(STEPS_03), "--save-every", "0", "--log-every", "1"]
         run_dir = tmp_path / "preempted"
         proc = _python_zcvae(*args, "--output-dir", run_dir, cwd=tmp_path)
-        _wait_for_holder(run_dir, proc)  # the handlers are in place before the lock names the process
+        _wait_for_step(run_dir, proc)
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=600)[0]
-        line = ends_with_one_line(proc.returncode, out, 75, "stopped by SIGTERM after step 1 of 5", "step_00000001", "--resume auto")
-        assert steps_of(run_dir) == ["step_00000001"], line  # no step lost: saved where it stopped
+        line = ends_with_one_line(proc.returncode, out, 75, "stopped by SIGTERM after step", "--resume auto")
+        step = _stopped_step(line, "SIGTERM", STEPS_03)
+        assert 1 <= step < STEPS_03 and f"step_{step:08d}" in line
+        assert steps_of(run_dir) == [f"step_{step:08d}"], line  # no step lost: saved where it stopped
         no_leftovers(run_dir)
 
         rc, out = zcvae(capsys, *args, "--output-dir", run_dir, "--resume", "auto")
-        assert rc == 0 and "[resume] from step 1" in out, out[-3000:]
+        assert rc == 0 and f"[resume] from step {step}" in out, out[-3000:]
         rc, out = zcvae(capsys, *args, "--output-dir", tmp_path / "straight")
         assert rc == 0, out[-3000:]
     finally:
         torch.set_num_threads(threads)
+    final = f"step_{STEPS_03:08d}"
     for name in ("trainable.safetensors", "buffers.safetensors"):
-        a = load_file(str(run_dir / "checkpoints" / "step_00000005" / name))
-        b = load_file(str(tmp_path / "straight" / "checkpoints" / "step_00000005" / name))
+        a = load_file(str(run_dir / "checkpoints" / final / name))
+        b = load_file(str(tmp_path / "straight" / "checkpoints" / final / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def test_03_sigusr1_stops_the_same_way(tiny_backbone, tmp_path, capsys, env):
     run_dir = tmp_path / "usr1"
 
-    def send_when_locked():
-        for _ in range(6000):
-            if (run_dir / "zcvae.lock").exists() and (run_dir / "zcvae.lock").read_text():
-                os.kill(os.getpid(), signal.SIGUSR1)
-                return
-            time.sleep(0.01)
+    def send_after_a_step():
+        _wait_for_step(run_dir)
+        os.kill(os.getpid(), signal.SIGUSR1)
 
-    sender = threading.Thread(target=send_when_locked, daemon=True)
+    sender = threading.Thread(target=send_after_a_step, daemon=True)
     sender.start()
-    rc, out = zcvae(capsys, "train", "--backbone", tiny_backbone, "--output-dir", run_dir, *TRAIN)
+    rc, out = zcvae(capsys, "train", "--backbone", tiny_backbone, "--output-dir", run_dir, *TRAIN, "--max-steps", str(STEPS_03),
+                    "--log-every", "1", "--save-every", "0")
     sender.join()
-    ends_with_one_line(rc, out, 75, "stopped by SIGUSR1 after step 1 of 4")
-    assert steps_of(run_dir) == ["step_00000001"]
+    step = _stopped_step(ends_with_one_line(rc, out, 75, "stopped by SIGUSR1 after step"), "SIGUSR1", STEPS_03)
+    assert steps_of(run_dir) == [f"step_{step:08d}"]
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL, "the handlers are restored after the run"
+    no_leftovers(run_dir)
+
+
+def test_03_sigterm_in_setup_stops_at_once_naming_the_phase_and_writes_nothing(tiny_backbone, tmp_path, env):
+    run_dir = tmp_path / "setup"
+    proc = _python_zcvae("train", "--backbone", tiny_backbone, *TRAIN, "--output-dir", run_dir, cwd=tmp_path)
+    _wait_for_holder(run_dir, proc)  # the handlers are in place before the lock names the process: setup has begun
+    proc.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    out = proc.communicate(timeout=120)[0]
+    assert time.monotonic() - start < 10, out[-3000:]
+    ends_with_one_line(proc.returncode, out, 75, "stopped by SIGTERM during", "before step 1", "nothing to save")
+    assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").iterdir())
+    assert not (run_dir / "run_config.json").exists()
     no_leftovers(run_dir)
 
 

@@ -1,13 +1,18 @@
 """The built wheel, installed into a fresh venv, renders a family's SLURM scripts from outside the source
 tree: the template is package data, not a file found next to a checkout.
 
-Offline: the wheel is built without build isolation or dependencies, and the venv sees the system
-site-packages for torch and the rest. Those may hold an editable zcvae (pointing at a checkout's src/);
-the venv's own install must win, which the test asserts."""
+Offline: the wheel is built without build isolation or dependencies, and the venv sees the running
+interpreter's site-packages for torch and the rest. Those may hold an editable zcvae (pointing at a
+checkout's src/); the venv's own install must win, which the test asserts.
+
+The running interpreter may itself be a venv or a conda env. `venv --system-site-packages` would show the
+new venv the *base* interpreter's site-packages (where torch is often absent), so the new venv is made
+without them and a .pth file adds the running interpreter's site directories after its own."""
 
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +25,31 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:
-    """No path into any checkout, no index: only the venv and the system site-packages."""
+    """No path into any checkout, no index: only the venv and the running interpreter's site-packages."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV")}
     return {**env, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONNOUSERSITE": "1"}
+
+
+def _running_site_dirs() -> list[str]:
+    """The site directories the running interpreter imports from: its own site-packages (a venv's, a conda
+    env's or the system's) and, where it reads it, the user site."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(dirs) if Path(d).is_dir()]
+
+
+def _make_venv(venv: Path, *, cwd: Path) -> Path:
+    """A venv whose own site-packages comes first, then the running interpreter's site directories.
+
+    site.addsitedir (not a bare path line) so that their own .pth files are read too, as they are for the
+    running interpreter (editable installs, distutils-precedence)."""
+    _run([sys.executable, "-m", "venv", venv], cwd=cwd)
+    python = venv / "bin" / "python"
+    purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=cwd).stdout.strip()
+    lines = [f"import site; site.addsitedir({d!r})" for d in _running_site_dirs()]
+    (Path(purelib) / "zz_running_interpreter.pth").write_text("\n".join(lines) + "\n")
+    return python
 
 
 def _run(args, *, cwd, timeout=600):
@@ -42,9 +69,8 @@ def test_installed_wheel_renders_a_family_outside_the_source_tree(tmp_path):
     (wheel,) = wheels.glob("zcvae-*.whl")
 
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", venv], cwd=tmp_path)
-    python = venv / "bin" / "python"
-    # --ignore-installed: a zcvae in the system site-packages (editable or not) is not this wheel
+    python = _make_venv(venv, cwd=tmp_path)
+    # --ignore-installed: a zcvae in the running interpreter's site-packages (editable or not) is not this wheel
     _run([python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--ignore-installed", wheel], cwd=tmp_path)
     shutil.rmtree(source)  # nothing of the checkout's copy is left to import from
 

@@ -1,6 +1,6 @@
 """The user-data families of examples/families/: the generator reproduces the shipped JSONL byte for byte,
 each strategy is a deterministic map, the families have the structure they claim (where strategies
-decide, which rows are ambiguous), and the reachable NMI the README states is what zcvae's evaluator
+decide, which rows are ambiguous), and the reachable NMI examples/families/README.md states is what zcvae's evaluator
 computes from the val file alone."""
 
 import importlib.util

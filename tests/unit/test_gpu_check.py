@@ -43,3 +43,24 @@ def test_bad_arguments_name_the_flag():
         gpu_check.parse_args(["--engines", "zero2"])
     with pytest.raises(SystemExit, match="--warmup-steps"):
         gpu_check.parse_args(["--steps", "5", "--warmup-steps", "5"])
+
+
+def test_the_default_runs_a_built_shape_on_long_pairs_of_exact_token_lengths(tmp_path):
+    from zcvae.data import build_tokenizer
+
+    args = gpu_check.parse_args(["--out", str(tmp_path)])
+    assert (args.shape, args.x_len, args.y_len, args.num_latents, args.micro_batch_size) == ("SmolLM2-1.7B", 256, 256, 4, 16)
+    backbone, data = gpu_check.inputs(args, tmp_path)
+    assert backbone == str(tmp_path / "shape-SmolLM2-1.7B") and "--allow-fresh-markers" in data and "--task" not in data
+    argv = gpu_check._train_argv(args, backbone=backbone, run_dir=tmp_path / "run", engine="fsdp2-bf16", data=data)
+    assert argv[argv.index("--train-data") + 1].endswith("train.jsonl") and argv[argv.index("--num-latents") + 1] == "4"
+    tok = build_tokenizer()
+    words = sorted(w for w in tok.get_vocab() if w not in set(tok.all_special_tokens) and not w.startswith("<"))
+    records = gpu_check.long_examples(words, num=3, x_len=256, y_len=200, seed=0, prefix="t")
+    for r in records:
+        assert len(tok(r["x"], add_special_tokens=False)["input_ids"]) == 256
+        assert len(tok(r["y"], add_special_tokens=False)["input_ids"]) == 200
+    assert records == gpu_check.long_examples(words, num=3, x_len=256, y_len=200, seed=0, prefix="t")  # reproducible
+    # a real backbone keeps the entangled stage and copy
+    backbone, data = gpu_check.inputs(gpu_check.parse_args(["--backbone", "smollm2", "--out", str(tmp_path)]), tmp_path)
+    assert backbone == str(tmp_path / "entangled") and data == ["--task", "copy"]

@@ -1,4 +1,4 @@
-"""The package's import graph is the layering the README's Layout section draws: each unit (a
+"""The package's import graph is the layering docs/guide/layout.md draws: each unit (a
 subpackage or a top-level module of ``src/zcvae``) imports only from units below it, so there are no
 import cycles between units; and inside a unit no two modules import each other, however indirectly.
 Every import counts, including the ones inside functions."""
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import zcvae
 
-# From the bottom (README, Layout). Units on one level do not import each other.
+# From the bottom (docs/guide/layout.md). Units on one level do not import each other.
 LAYERS = (
     ("strict", "_version", "presets"),  # presets: package data (YAML files) and the names that find them
     ("core", "distributed", "templates"),
@@ -67,7 +67,7 @@ def _edges() -> list[tuple[str, str, str]]:
 
 def test_every_unit_has_a_level():
     units = {p.relative_to(ROOT).with_suffix("").parts[0] for p in ROOT.rglob("*.py")}
-    assert units <= set(LEVEL), f"add {sorted(units - set(LEVEL))} to LAYERS and to the README's Layout"
+    assert units <= set(LEVEL), f"add {sorted(units - set(LEVEL))} to LAYERS and to docs/guide/layout.md"
 
 
 def test_imports_only_go_down_the_layers():

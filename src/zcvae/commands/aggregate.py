@@ -506,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except RunLoadError as exc:
         print(f"zcvae aggregate: error: {exc}", file=sys.stderr)
-        return 2  # a user error, as every command's (README, Errors and recovery)
+        return 2  # a user error, as every command's (docs/guide/errors-and-recovery.md)
     if not rows:
         print("zcvae aggregate: error: no readable run directories", file=sys.stderr)
         return 2

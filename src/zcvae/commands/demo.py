@@ -17,7 +17,7 @@ on copy first (a raw LM has never seen the template), then raw mean against the 
 (:func:`real_lm_family`: the stage and base of ``launch/families/real-lm-copy.yaml`` and
 ``real-lm-default.yaml``). It prints its expected time, from one timed step of the backbone, before it starts.
 
-What the table teaches (README, "What the demo prints"): the plain per-token mean loses z (the
+What the table teaches (docs/results/demo.md): the plain per-token mean loses z (the
 dilution argument, docs/objective.md#dilution); a normalized objective keeps z but, reading only the
 ``</y>`` state at the per-token scale, merges the strategies that part late; the default keeps all three
 apart. The verdict of each run says which of these it is, without gold labels.
@@ -35,9 +35,9 @@ DEMO_TASK = "sort3"
 DEMO_NUM_LATENTS = 3
 
 # The demo's compute budget, in one place: backbone pretraining steps, steps per run, and the batch of the
-# default (the budget of the README's late-decision tables, 300 x 64) and of the two controls. The controls
+# default (the budget of the late-decision tables, docs/results/late-decisions.md, 300 x 64) and of the two controls. The controls
 # show a failure that holds at every batch we ran, 16, 32 and 64 (raw mean collapses, the former default
-# merges: README, "What the demo prints"), so they run at a quarter of the rows, which keeps the demo near its
+# merges: docs/results/demo.md), so they run at a quarter of the rows, which keeps the demo near its
 # 600 s / 1,100 CPU-s goal (BENCHMARKS.md, "The demo"); the default keeps the batch its 3-seed table was measured
 # at (at 48 rows one sort3 seed of three merged).
 DEMO_BUDGET = {"pretrain_steps": 800, "max_steps": 300, "micro_batch_size": 64, "control_micro_batch_size": 16}

@@ -179,6 +179,10 @@ def _start_deepspeed(config: EngineConfig) -> zdist.DistInfo:
     # deepspeed.initialize insists on these even for a single process started without a launcher.
     for name, value in (("RANK", info.rank), ("WORLD_SIZE", info.world_size), ("LOCAL_RANK", info.local_rank)):
         os.environ.setdefault(name, str(value))
+    # it JIT-builds an op on CPU (deepspeed_shm_comm): a lock left by a killed build would hang it, silently
+    from zcvae.engines.extensions import check_build_locks
+
+    check_build_locks()
     # Adopts the torch group just created (DeepSpeed needs a group even at world size 1).
     deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     return info

@@ -180,6 +180,7 @@ def evaluate(
     run_dir: str | os.PathLike | None,
     step: int,
     all_gather_object: Callable[[list, Any], None] | None = None,
+    tick: Callable[[int, int], Any] | None = None,
 ) -> dict[str, float]:
     """Evaluate on the validation set; collective (call on every rank). -> flat dict of floats.
 
@@ -188,6 +189,8 @@ def evaluate(
     ``ref_nll(engine, batch)`` and ``c_base.value``; ``task`` a parser (``parse``, ``answer``) or None.
     The module is put in eval mode and every submodule's mode is restored afterwards. ``run_dir``
     None writes no file. ``all_gather_object`` replaces ``torch.distributed.all_gather_object``.
+    ``tick(batches done, total)`` after each batch of either pass, on every rank alike (``zcvae.loop.setup``:
+    a stop signal is agreed there, and raises out of the evaluation before anything is written).
     """
     if not val:
         raise ValueError("val: the validation set is empty")
@@ -197,7 +200,7 @@ def evaluate(
     try:
         with torch.no_grad():
             scalars, details = _evaluate(engine=engine, model=model, cfg=cfg, val=val, reference=reference, task=task,
-                                         all_gather_object=all_gather_object)
+                                         all_gather_object=all_gather_object, tick=tick)
     finally:
         for m, training in modes:
             m.training = training
@@ -206,16 +209,26 @@ def evaluate(
     return {k: float(v) for k, v in scalars.items() if v is not None}
 
 
-def _evaluate(*, engine, model, cfg, val, reference, task, all_gather_object):
+def _evaluate(*, engine, model, cfg, val, reference, task, all_gather_object, tick=None):
     rank, world = engine.rank, engine.world_size
     indices, keep = shard_indices(len(val), rank=rank, world_size=world)
-    local = example_pass(engine=engine, model=model, cfg=cfg, val=val, reference=reference, indices=indices, keep=keep)
+    num_decode = min(cfg.evaluation.num_eval_decode_examples, len(val))
+    batch_size = cfg.optimization.micro_batch_size
+    # the batches of both passes, for the progress line (every rank runs as many)
+    total = math.ceil(len(indices) / batch_size) + (math.ceil(math.ceil(num_decode / world) / batch_size) if num_decode else 0)
+    done = [0]
+
+    def on_batch() -> None:
+        done[0] += 1
+        if tick is not None:
+            tick(done[0], total, "batches")
+
+    local = example_pass(engine=engine, model=model, cfg=cfg, val=val, reference=reference, indices=indices, keep=keep, on_batch=on_batch)
     records = gather_records(local, world_size=world, all_gather_object=all_gather_object)
     check_complete(records, len(val), "example")
 
     decodes = []
     num_steps = None
-    num_decode = min(cfg.evaluation.num_eval_decode_examples, len(val))
     if num_decode > 0:
         num_steps = decode_length(cfg, val)
         if cfg.model.latent_type == "discrete":
@@ -225,7 +238,7 @@ def _evaluate(*, engine, model, cfg, val, reference, task, all_gather_object):
             latents, mu_by_index = [None], {r.index: r.mu_D for r in records[:num_decode]}
         d_indices, d_keep = shard_indices(num_decode, rank=rank, world_size=world)
         local_dec = decode_pass(engine=engine, model=model, cfg=cfg, val=val, latents=latents, mu_by_index=mu_by_index,
-                                indices=d_indices, keep=d_keep, num_steps=num_steps)
+                                indices=d_indices, keep=d_keep, num_steps=num_steps, on_batch=on_batch)
         decodes = gather_records(local_dec, world_size=world, all_gather_object=all_gather_object)
         check_complete(decodes[::len(latents)], num_decode, "decode")
     return summarize(records, decodes, cfg=cfg, val=val, task=task, tokenizer=model.tokenizer,

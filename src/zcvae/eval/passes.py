@@ -48,7 +48,7 @@ def _to_list(t: torch.Tensor) -> list[float]:
     return t.detach().to("cpu", torch.float64).tolist()
 
 
-def example_pass(*, engine, model, cfg, val, reference, indices, keep) -> list[ExampleRecord]:
+def example_pass(*, engine, model, cfg, val, reference, indices, keep, on_batch=None) -> list[ExampleRecord]:
     """Losses, router outputs and span NLLs of this rank's examples (padding rows dropped)."""
 
     recon_cfg = cfg.reconstruction_config()
@@ -106,10 +106,12 @@ def example_pass(*, engine, model, cfg, val, reference, indices, keep) -> list[E
             else:
                 rec.posterior_K, rec.prior_K = posterior[j].tolist(), prior[j].tolist()
             records.append(rec)
+        if on_batch is not None:
+            on_batch()
     return records
 
 
-def decode_pass(*, engine, model, cfg, val, latents, mu_by_index, indices, keep, num_steps) -> list[DecodeRecord]:
+def decode_pass(*, engine, model, cfg, val, latents, mu_by_index, indices, keep, num_steps, on_batch=None) -> list[DecodeRecord]:
     """Greedy decodes of this rank's share of the decode examples (padding rows dropped).
 
     Each x is decoded once per entry of ``latents``: the discrete latents ``[0, ..., K-1]``, or ``[None]``
@@ -156,4 +158,6 @@ def decode_pass(*, engine, model, cfg, val, latents, mu_by_index, indices, keep,
         for (i, latent, k), gen, ok in zip(owners, generated, closed):
             if k:
                 records.append(DecodeRecord(index=i, latent=latent, generated=gen, closed=ok))
+        if on_batch is not None:
+            on_batch()
     return records

@@ -65,9 +65,9 @@ __all__ = [
 MIN_MI_FRACTION = 0.1
 # Decoding that changes with z on fewer x than this means the decoder ignores z, whatever q says.
 MIN_DISTINCT_OUTPUTS = 0.05
-# Gold collapse: NMI below this tells next to nothing about the strategy (the verdict's definition; README, "The verdict").
+# Gold collapse: NMI below this tells next to nothing about the strategy (the verdict's definition; docs/guide/verdict.md).
 GOLD_COLLAPSED_NMI = 0.1
-# Aligned with gold at nmi / nmi_reachable >= this: the target the README's tables are held to.
+# Aligned with gold at nmi / nmi_reachable >= this: the target the tables of docs/results/ are held to.
 ALIGNED_NMI_RATIO = 0.9
 # A latent holding half of each of two strategies' q mass merges them; half leaves room for mul's unreachable b = 1 rows.
 MERGE_MIN_SHARE = 0.5
@@ -79,15 +79,15 @@ PURE_HOMOGENEITY = 0.95
 USED_SHARE = 0.01
 # A collapsed run with every late-decision part on is pointed to this many times its steps: on add and search the
 # default collapsed at 300 steps, with q already along the strategies, because the decoder had not yet learned to
-# read the z slot when the 60% KL delay ended; at 900 it did (README, "The default").
+# read the z slot when the 60% KL delay ended; at 900 it did (docs/results/default.md).
 LONGER_RUN = 3
 
 # What the verdict suggests for a run without the late-decision parts: the default run preset (zcvae.presets),
-# what `zcvae train` runs with no objective flag and `--config default` names (README, "The default").
+# what `zcvae train` runs with no objective flag and `--config default` names (docs/guide/objective-and-presets.md, "The default preset").
 SUGGESTED_PRESET = DEFAULT
 _SUGGESTED = (f"the default (no objective flag, or --config {SUGGESTED_PRESET}: {DEFAULT_OBJECTIVE} with the decision tokens "
               f"weighted, mean pooling, 60% KL delay, router support, the reconstruction at a sequence's scale)")
-# With those parts on already: the sum-mode variant (README, "Late decisions").
+# With those parts on already: the sum-mode variant (docs/results/late-decisions.md).
 SUM_MODE_PRESET = LATE_DECISIONS
 TOKEN_WEIGHT_FIELD = term_by_abbreviation("tok").weight_field
 DISTINCT_OUTPUTS_KEY = "control/distinct_outputs"
@@ -311,7 +311,7 @@ def delay_end_note(metrics: Mapping[str, Any], config: Mapping[str, Any], *, ste
     Until then beta is 0 and q may separate the data freely; from then on the KL prices every nat of q. The line is
     the label-free part of :func:`judge` on that evaluation. When q carries information (MI >= MIN_MI_FRACTION x
     log K) but decoding differs across z on fewer than MIN_DISTINCT_OUTPUTS of x, the decoder has not learned to read
-    z yet and the KL will likely collapse q, as on add and search at 300 steps (README, "The default"): the line
+    z yet and the KL will likely collapse q, as on add and search at 300 steps (docs/results/default.md): the line
     says so, with the verdict's next step for a collapse (for the default, a fresh run 3x longer)."""
     verdict = judge(metrics, config)
     information, distinct = verdict["information"], verdict["decoding"]["distinct_outputs"]

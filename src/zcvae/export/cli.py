@@ -97,7 +97,7 @@ def _text_ids(model, text: str, *, what: str) -> tuple[int, ...]:
     unk = getattr(model.tokenizer, "unk_token_id", None)
     unk_text = getattr(model.tokenizer, "unk_token", None)
     if unk is not None and unk_text and unk_text in text:
-        # the literal marker, not an unknown word: a special token like the others (README)
+        # the literal marker, not an unknown word: a special token like the others (docs/guide/errors-and-recovery.md, "Refused, and why")
         raise ValueError(f"--{what} contains the special token {unk_text!r} (id {unk}), which is refused in user text: {text!r}")
     if unk is not None and unk in ids:
         print(f"warning: --{what} has {ids.count(unk)} word(s) outside the vocabulary", file=sys.stderr)

@@ -30,7 +30,7 @@ import torch
 
 from zcvae.data.dataset import global_batch_indices, rank_micro_batches
 from zcvae.loop.logs import MetricWindow, progress_bar
-from zcvae.loop.guards import Preempted, StepGuard, StopSignals, check_finite_weights
+from zcvae.loop.guards import PhaseStopped, Preempted, StepGuard, StopSignals, check_finite_weights
 
 
 @dataclass
@@ -172,17 +172,22 @@ def run_loop(
             logger.log("train", done, metrics)
             progress.set_postfix(**objective.postfix(metrics))
             window, window_tokens, window_start = MetricWindow(), 0.0, time.perf_counter()
+        stopped_in_eval = None
         if evaluates_after(s, done):
-            evaluate(done)
+            try:
+                evaluate(done)
+            except PhaseStopped as e:  # agreed by every rank within the evaluation: step `done` is complete, save it
+                stopped_in_eval = e
             window_start = time.perf_counter()  # keep evaluation out of tokens/s
-        stop = verdict == "stop" and done != s.max_steps  # preempted: save here, then end
+        stop = (verdict == "stop" or stopped_in_eval is not None) and done != s.max_steps  # preempted: save here, then end
         if (s.save_every and done % s.save_every == 0 and done != s.max_steps) or stop:
             check_finite_weights(engine, step=done)
             checkpoints.save(engine, step=done, **checkpoint_state)
         if stop:
             progress.close()
             logger.close()
-            raise Preempted(f"stopped by {signals.received or 'a signal on another rank'} after step {done} of {s.max_steps}: "
+            during = f" (during the evaluation at step {done})" if stopped_in_eval is not None else ""
+            raise Preempted(f"stopped by {signals.received or 'a signal on another rank'} after step {done} of {s.max_steps}{during}: "
                             f"saved checkpoint {checkpoints.path_for(done).name}; continue with the same command plus --resume auto", step=done)
     progress.close()
 

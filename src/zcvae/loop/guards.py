@@ -14,6 +14,9 @@ sends ahead of the time limit) only set a flag; the flag rides in the same per-s
 agree on the step at which to stop: they finish that optimizer step, save a checkpoint, print one line and
 exit with :data:`EXIT_PREEMPTED`. ``--resume auto`` then continues bitwise.
 
+Outside the steps (loading, the reference and c_base passes, evaluation) the flag is agreed at the
+passes' own batch boundaries instead (``zcvae.loop.setup``): a stop there takes seconds, not a step.
+
 Ctrl-C (SIGINT) stays an immediate KeyboardInterrupt: the checkpoint writer removes its ``.tmp`` and the
 CLI prints one line.
 """
@@ -52,6 +55,15 @@ class TrainingDiverged(RunStopped):
 
 class Preempted(RunStopped):
     exit_code = EXIT_PREEMPTED
+
+
+class PhaseStopped(Preempted):
+    """A stop signal agreed outside the optimizer steps (``zcvae.loop.setup``): loading, the reference
+    passes, evaluation. ``phase`` names it."""
+
+    def __init__(self, message: str, *, phase: str, step: int):
+        super().__init__(message, step=step)
+        self.phase = phase
 
 
 # --------------------------------------------------------------------------- signals

@@ -244,11 +244,12 @@ class ZCVAE(nn.Module):
         """Built without reading the weights (``from_pretrained(loading=...)``)."""
         return self._built_sharded
 
-    def materialize_weights(self) -> None:
+    def materialize_weights(self, *, tick=None) -> None:
         """Write the weights of a sharded build, once the engine has sharded it (every rank calls it);
-        a no-op for a replicated build, which has its weights already."""
+        a no-op for a replicated build, which has its weights already. ``tick(done, total, unit)``
+        after each checkpoint tensor."""
         if self._pending is not None:
-            self._pending.materialize(self)
+            self._pending.materialize(self, tick=tick)
             self._pending = None
 
     @torch.no_grad()

@@ -156,8 +156,9 @@ class PendingWeights:
     done: bool = field(default=False)
 
     @torch.no_grad()
-    def materialize(self, model: nn.Module) -> None:
-        """Write every parameter and buffer of ``model`` (the sharded CVAE) through ``self.loading``."""
+    def materialize(self, model: nn.Module, *, tick=None) -> None:
+        """Write every parameter and buffer of ``model`` (the sharded CVAE) through ``self.loading``;
+        ``tick(tensors done, total)`` after each checkpoint tensor (on every rank: ``zcvae.loop.setup``)."""
         if self.done:
             raise RuntimeError("the sharded weights were already written")
         loading = self.loading
@@ -169,9 +170,11 @@ class PendingWeights:
             loading.write(owner, name, full, on_every_rank=on_every_rank)
 
         rank0 = loading.rank == 0
-        for owner, name, key in self.checkpoint:
+        for done, (owner, name, key) in enumerate(self.checkpoint, start=1):
             dtype = getattr(owner, name).dtype
             write(owner, name, self.reader.read(key, dtype) if rank0 else None, on_every_rank=False)
+            if tick is not None:
+                tick(done, len(self.checkpoint), "tensors")
         emb = self._full_rows(*self.embedding)
         head = self._full_rows(*self.head) if self.head is not None else None
         bias = self._full_rows(*self.head_bias) if self.head_bias is not None else None

@@ -91,9 +91,12 @@ def spec_from_args(args) -> tuple[str, PlanSpec]:
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     policy = "online" if args.reference_policy == "auto" else args.reference_policy
+    # only ZeRO-3 and FSDP2 shard the base as it loads (zcvae.engines.sharded_loading); the others load it whole
+    shards = args.engine == "fsdp2" or (args.engine == "deepspeed" and ZERO_STAGES[args.deepspeed_config] == 3)
+    loading = args.loading if shards else "replicated"
     spec = PlanSpec(config=config, micro_batch_size=args.micro_batch_size, num_latents=args.num_latents, num_z_slots=args.num_z_slots,
                     x_len=x_len or 48, y_len=y_len or 48, engine=args.engine, zero_stage=ZERO_STAGES[args.deepspeed_config],
-                    world_size=world, precision=args.precision, base_dtype=args.base_dtype, loading=args.loading,
+                    world_size=world, precision=args.precision, base_dtype=args.base_dtype, loading=loading,
                     gradient_checkpointing=args.gradient_checkpointing, branch_chunk_size=args.branch_chunk_size,
                     share_x_prefix=args.share_x_prefix, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules,
                     reference_policy=policy, device=args.device, num_train_examples=args.num_train_examples, step=args.step)

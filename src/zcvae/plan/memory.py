@@ -242,11 +242,10 @@ def plan_memory(spec: PlanSpec) -> Plan:
         raise ValueError(f"loading must be sharded or replicated, got {spec.loading!r}")
     W = spec.world_size
     stage = spec.zero_stage if spec.engine == "deepspeed" else None
-    base_dtype = spec.resolved_base_dtype()
-    if spec.loading == "replicated":
-        base_dtype = "bfloat16" if spec.engine == "deepspeed" and spec.precision == "bf16" else "float32"
+    base_dtype = spec.resolved_base_dtype()  # both loadings build the base in it (model.build, model.sharded)
     b = DTYPE_BYTES[base_dtype]
     c = 2 if spec.precision == "bf16" else 4
+    g = min(b, c)  # a gathered base weight: the base dtype, or bf16 when mixed precision casts a float32 base down
     N_base, N_persist = base_parameters(spec.config)
     trainable = trainable_parameters(spec)
     N_train = sum(trainable.values())
@@ -277,12 +276,12 @@ def plan_memory(spec: PlanSpec) -> Plan:
 
     # communication buffers
     if stage == 3:
-        if spec.step == "steady":
-            live = min(N_base - N_persist, ZERO3["stage3_max_live_parameters"]) * c
-            notes.append("ZeRO-3: once step 1 has traced the module order, the 1e9-element reuse distance keeps every fetched "
-                         "base parameter live between its uses (up to stage3_max_live_parameters)")
-        else:
-            live = ZERO3["stage3_prefetch_bucket_size"] * c
+        # measured on CPU (bench/memory_bench.py): already in step 1 the fetched base parameters stay gathered
+        # through the forwards of the K branches and the reference to the backward (their reuse distance is far
+        # below the 1e9-element stage3_max_reuse_distance), up to stage3_max_live_parameters, in the base dtype
+        live = min(N_base - N_persist, ZERO3["stage3_max_live_parameters"]) * g
+        notes.append("ZeRO-3: every fetched base parameter stays live between its uses in a step (the 1e9-element reuse "
+                     "distance), up to stage3_max_live_parameters: lower both in a --deepspeed-config JSON to trade memory for gathers")
         comm = live + ZERO3["reduce_bucket_size"] * c + 4 * N_train / W
     elif stage in (1, 2):
         comm = REDUCE_BUCKET * 4 * (2 if stage == 2 else 1)
@@ -290,12 +289,12 @@ def plan_memory(spec: PlanSpec) -> Plan:
         H, L, I, q, kv, V = _dims(spec.config)
         root = V * H * (1 if spec.config.get("tie_word_embeddings") else 2) + H
         layer = (N_base - root) / L
-        comm = (root + 2 * layer) * c
+        comm = (root + 2 * layer) * g
     else:
         comm = DDP_BUCKET_BYTES if W > 1 else 0
     comm = min(comm, N_base * c + 4 * N_train) if stage in (1, 2) else comm
 
-    acts = activation_bytes(spec, weight_bytes=c if sharded_base else b)
+    acts = activation_bytes(spec, weight_bytes=g)
     act_total = sum(acts.values())
     ref = reference_bytes(spec)
     terms = {"frozen": int(frozen), "trainable": int(trainable_bytes), "activations": int(act_total), "reference": int(ref),
@@ -306,20 +305,23 @@ def plan_memory(spec: PlanSpec) -> Plan:
     if spec.device == "cpu":
         disk = DTYPE_BYTES[spec.disk_dtype] * N_base
         if spec.loading == "replicated":
-            whole = 4 * N_base
-            shard_copy = 4 * N_base / W if sharded_base else 0
-            load = whole + disk + shard_copy
-            notes.append("replicated loading: every rank builds the whole fp32 model and maps the safetensors it reads; "
-                         "the engine's shards are copied while the whole model is still held")
+            whole = b * N_base
+            shard_copy = b * N_base / W if sharded_base else 0
+            # from_pretrained keeps the mapped file's tensors as they are when the dtypes match; it converts otherwise
+            load = whole + (disk if spec.disk_dtype != base_dtype else 0) + shard_copy
+            notes.append(f"replicated loading: every rank builds the whole model in {base_dtype}"
+                         + (" and maps the safetensors it converts" if spec.disk_dtype != base_dtype else "")
+                         + ("; the engine's shards are copied while the whole model is still held" if sharded_base else ""))
         else:
-            load = frozen + 2 * max(spec.config["vocab_size"] * spec.config["hidden_size"], 1) * b
-            if sharded_base:
-                load += disk  # rank 0 maps the files it broadcasts from
+            # the shards, plus the embedding (and an untied head) broadcast whole to compute the new rows; rank 0
+            # reads one tensor at a time (model.sharded.CheckpointReader), the largest being the embedding
+            emb = max(spec.config["vocab_size"] * spec.config["hidden_size"], 1)
+            load = frozen + 2 * emb * b + (emb * DTYPE_BYTES[spec.disk_dtype] if sharded_base else disk)
         terms["load"] = int(load)
         cal = calibration_bytes(spec)
         terms["calibration"] = int(cal)
         phases["load"] = int(load)
-        phases["calibration"] = int((4 * N_base if spec.loading == "replicated" else frozen) + cal)
+        phases["calibration"] = int((b * N_base if spec.loading == "replicated" else frozen) + cal)
         fixed = fixed_host_bytes(spec.engine)
     peak = max(phases.values()) + fixed
     counts = {"N_base": N_base, "N_persist": N_persist, "N_train": N_train, **{f"N_{k}": v for k, v in trainable.items()}}

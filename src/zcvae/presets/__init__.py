@@ -14,9 +14,9 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 
-# The sum-mode recipe for strategies that part late in y (README, "Late decisions").
+# The sum-mode recipe for strategies that part late in y (docs/results/late-decisions.md).
 LATE_DECISIONS = "late-decisions"
-# What `zcvae train` runs when no objective flag is given (zcvae.config.DEFAULT_PRESET; README, "The default").
+# What `zcvae train` runs when no objective flag is given (zcvae.config.DEFAULT_PRESET; docs/guide/objective-and-presets.md, "The default preset").
 DEFAULT = "default"
 
 

@@ -1,7 +1,7 @@
 """Is the backbone fit to be the frozen reference? The start-up check of ``zcvae train``.
 
 The reference that gives b_t is the z-free backbone itself (a frozen reference
-initialized from the entangled checkpoint; README, "Real backbones"), so it must already know the template and the data:
+initialized from the entangled checkpoint; docs/guide/backbones.md, "The reference health check"), so it must already know the template and the data:
 
 * **Markers.** A backbone whose tokenizer lacks a template marker (``<x> </x> <z> </z> <y> </y>``) or
   ``<znull>`` gets it as a new token with a mean row (``model.build.init_new_rows``): the reference cannot

@@ -4,6 +4,7 @@ training and validation b. Shapes as in zcvae.reference.store.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -48,6 +49,7 @@ class ReferenceProvider:
         passes: float,
         log: Callable[[str], Any] = print,
         stored_c_base: CBase | None = None,
+        phases=None,
     ) -> "ReferenceProvider":
         """Choose the policy, build or load the stores, and resolve c_base (collective: call on every rank).
 
@@ -56,8 +58,11 @@ class ReferenceProvider:
         size of the reference pass), precision and seed (fingerprint extras: they change b or the new
         marker rows the reference reads). ``model`` provides ``tokens`` and ``tokenizer``; ``engine``
         provides ``module`` (wrapped), ``all_reduce`` and ``info`` (rank, world_size, device).
+        ``phases``: a ``zcvae.loop.setup.SetupPhases`` that names, reports and can stop the passes (None: silent).
         """
         from zcvae.distributed import dist_info
+
+        phases = phases if phases is not None else _SILENT
 
         info = getattr(engine, "info", None) or dist_info()
         gather = torch.distributed.all_gather_object if info.world_size > 1 else None
@@ -94,10 +99,11 @@ class ReferenceProvider:
         )
         store = None
         if policy == "precomputed":
-            stores = {
-                split: load_or_build_reference_store(engine.module, examples, fingerprint=fps[split], name=split, **common)
-                for split, examples in (("train", train), ("validation", val))
-            }
+            stores = {}
+            for split, examples in (("train", train), ("validation", val)):
+                with phases.phase(f"the reference store ({split})"):
+                    stores[split] = load_or_build_reference_store(engine.module, examples, fingerprint=fps[split], name=split,
+                                                                  tick=phases.tick, **common)
             store = _merge_stores(stores["train"], stores["validation"], train, val)
 
             def recompute() -> CBase:
@@ -108,10 +114,12 @@ class ReferenceProvider:
             def recompute() -> CBase:
                 total = torch.zeros((), dtype=torch.float64, device=info.device)
                 count = torch.zeros((), dtype=torch.float64, device=info.device)
-                batches = iter_reference_batches(val, model.tokens, batch_size=cfg.optimization.micro_batch_size, rank=info.rank, world_size=info.world_size, num_z_slots=cfg.slot_tokens)
-                with torch.no_grad():
-                    for batch, keep in batches:
+                batch_size = cfg.optimization.micro_batch_size
+                batches = iter_reference_batches(val, model.tokens, batch_size=batch_size, rank=info.rank, world_size=info.world_size, num_z_slots=cfg.slot_tokens)
+                with torch.no_grad(), phases.phase("the c_base pass"):
+                    for forwards, (batch, keep) in enumerate(batches, start=1):
                         ref_nll_BN, mask_BN = reference_output(engine.module(batch.to(info.device), mode="reference"))
+                        phases.tick(min(len(val), forwards * batch_size * info.world_size), len(val))
                         if keep:
                             s, c = c_base_sum_count(ref_nll_BN, mask_BN, mode)
                             total, count = total + s, count + c
@@ -132,6 +140,19 @@ class ReferenceProvider:
         with torch.no_grad():
             ref_nll_BN, _ = reference_output(engine.module(batch, mode="reference"))
         return ref_nll_BN
+
+
+class _Silent:
+    """The phases of a pass nobody watches or stops (``zcvae.loop.setup.SetupPhases``'s interface)."""
+
+    def phase(self, name: str):
+        return contextlib.nullcontext()
+
+    def tick(self, done: int, total: int, unit: str = "examples") -> None:
+        pass
+
+
+_SILENT = _Silent()
 
 
 def _merge_stores(

@@ -10,7 +10,7 @@ Two policies give the same b (up to the float noise of a different batch composi
 
 ``online``
     The trainer calls ``engine.module(batch, mode="reference")`` for every micro-batch, *before* the
-    training forward (ZeRO-3 ordering: the reference forward gathers the same sharded weights; README, "Scaling out"). Nothing is stored.
+    training forward (ZeRO-3 ordering: the reference forward gathers the same sharded weights; docs/guide/scaling-out.md). Nothing is stored.
 ``precomputed``
     b of every training and validation example is computed once by :func:`compute_reference_store`
     and kept in a :class:`ReferenceStore` keyed by example id; the trainer then calls
@@ -319,6 +319,7 @@ def compute_reference_store(
     world_size: int,
     all_gather_object: Callable[[list, Any], None] | None = None,
     device: torch.device | str | None = None,
+    on_batch: Callable[[int], Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """b of every example: ``{id: float32 CPU tensor [n_i]}``, the same on every rank.
 
@@ -328,15 +329,18 @@ def compute_reference_store(
     and discarded, plain batches are kept. With ``world_size > 1`` the shards are exchanged with
     ``all_gather_object(output_list, obj)`` (default ``torch.distributed.all_gather_object``; pass
     ``functools.partial(..., group=a_gloo_group)`` to keep a large store off the accelerator).
+    ``on_batch(forwards done)`` after each forward (every rank runs as many: ``zcvae.loop.setup``'s tick).
     """
     _check_rank(rank, world_size)
     local: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for item in batches:
+        for forwards, item in enumerate(batches, start=1):
             batch, keep = (item.batch, item.keep) if isinstance(item, ReferenceBatch) else (item, True)
             if device is not None:
                 batch = batch.to(device)
             ref_nll_BN, mask_BN = reference_output(module(batch, mode="reference"))
+            if on_batch is not None:
+                on_batch(forwards)
             if not keep:
                 continue
             ref_nll_BN = ref_nll_BN.detach().to("cpu", torch.float32)
@@ -528,6 +532,7 @@ def load_or_build_reference_store(
     all_gather_object: Callable[[list, Any], None] | None = None,
     device: torch.device | str | None = None,
     num_z_slots: int = 1,
+    tick: Callable[[int, int], Any] | None = None,
 ) -> ReferenceStore:
     """The store of ``examples`` under ``fingerprint``: read from the cache, or computed and written.
 
@@ -535,7 +540,8 @@ def load_or_build_reference_store(
     rebuild unless every one could (a rank-local decision would leave some ranks in forwards that the
     others never join). ``write`` (default: ``rank == 0``) says whether this rank writes the file;
     pass ``local_rank == 0`` when nodes do not share the cache directory. An unreadable file is reported
-    with ``warnings.warn`` (naming the file and the reason) and rebuilt.
+    with ``warnings.warn`` (naming the file and the reason) and rebuilt. ``tick(examples done, total)``
+    after each forward of a rebuild (an estimate of the examples done over all ranks).
     """
     _check_rank(rank, world_size)
     digest = fingerprint.digest
@@ -562,6 +568,7 @@ def load_or_build_reference_store(
         world_size=world_size,
         all_gather_object=all_gather_object,
         device=device,
+        on_batch=None if tick is None else lambda forwards: tick(min(len(examples), forwards * batch_size * world_size), len(examples)),
     )
     if set(values) != wanted_ids:  # depends on the world size and sharding, so not an assert (-O drops those)
         missing = sorted(wanted_ids - set(values))

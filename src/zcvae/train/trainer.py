@@ -28,13 +28,14 @@ from zcvae._version import __version__
 from zcvae.config import TrainConfig, kl_delay_end, kl_weight_at, lr_factor_at, resolve_scale_factors, train_run_name
 from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
 from zcvae.data.dataset import load_splits, passes_over_data
-from zcvae.distributed import cpu_threads, dist_info, flush_denormals, init_distributed
+from zcvae.distributed import cpu_threads, dist_info, flush_denormals, init_distributed, limit_heap_retention
 from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
 from zcvae.runs.lock import LOCK_FILE, RunLock
 from zcvae.train.faults import fault_injection_from_env
 from zcvae.train.grad_probe import PROBE_SPLIT, GradientProbe
 from zcvae.loop import LoopSettings, MetricWindow, MicroLoss, RunLogger, run_loop  # noqa: F401 - MetricWindow, RunLogger: their home is zcvae.loop
 from zcvae.loop.guards import StopSignals
+from zcvae.loop.setup import SetupPhases
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.templates import collate, encode_examples
 
@@ -172,30 +173,44 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     prepare_run_dir(run_dir, resume=cfg.run.resume is not None, overwrite=overwrite, is_main=info.rank == 0, log=say,
                     keep={"backbone": cfg.model.backbone, "train_data": cfg.data.train_data, "val_data": cfg.data.val_data})
 
+    # setup: each phase named, timed and stoppable within seconds by SIGTERM/SIGUSR1 (zcvae.loop.setup)
+    phases = SetupPhases.for_process_group(signals, say=say)
+    if cfg.run.resume is not None:
+        phases.hint = "nothing written; the same command with --resume continues from its checkpoint"
+
     # 2. data and backbone
-    data = _load_data_and_model(cfg, say=say)
+    with phases.phase("loading the backbone"):
+        data = _load_data_and_model(cfg, say=say)
     cfg, model, train_enc, val_enc = data.cfg, data.model, data.train_enc, data.val_enc
 
     # 3. engine and optimizer (a sharded build gets its weights here); fail loudly if a latent parameter would not train
     groups = model.param_groups(lora_lr=cfg.optimization.lora_learning_rate, latent_lr=cfg.optimization.latent_learning_rate, weight_decay=cfg.optimization.weight_decay)
     model.check_trainable(p for g in groups for p in g["params"])
     peak_lrs = [g["lr"] for g in groups]  # before the engine: the schedule sets each group's lr in place
-    engine = build_engine(cfg.engine_config(), model=model, param_groups=groups, learning_rate=cfg.optimization.lora_learning_rate,
-                          weight_decay=cfg.optimization.weight_decay, materialize=model.materialize_weights)
-    # through the engine: a sharded model's weights are whole only inside its forward
-    engine.module(data.calibration, mode="calibrate")
+
+    def materialize() -> None:
+        with phases.phase("writing the weights into the shards"):
+            model.materialize_weights(tick=phases.tick)
+
+    with phases.phase("building the engine"):
+        engine = build_engine(cfg.engine_config(), model=model, param_groups=groups, learning_rate=cfg.optimization.lora_learning_rate,
+                              weight_decay=cfg.optimization.weight_decay, materialize=materialize)
+    with phases.phase("calibrating the router"):
+        # through the engine: a sharded model's weights are whole only inside its forward
+        engine.module(data.calibration, mode="calibrate")
 
     # 4. z-free reference statistics and c_base (mode-matched, fingerprinted)
     global_batch = cfg.optimization.micro_batch_size * cfg.optimization.gradient_accumulation_steps * info.world_size
     passes = passes_over_data(num_examples=len(train_enc), global_batch_size=global_batch, max_steps=cfg.optimization.max_steps)
     reference = ReferenceProvider.build(
-        cfg, engine=engine, model=model, backbone=data.backbone, train=train_enc, val=val_enc, passes=passes, log=say
+        cfg, engine=engine, model=model, backbone=data.backbone, train=train_enc, val=val_enc, passes=passes, log=say, phases=phases
     )
     data.health.check_c_base(reference.c_base, val=val_enc, examples=data.splits.val, task=data.splits.task, log=say)  # warns only
 
     # 5. resume (or not), then run_config.json
-    checkpoints, state = _open_checkpoints(cfg, engine=engine, reference=reference, allow_changes=allow_changes,
-                                           is_main=info.rank == 0, say=say)
+    with phases.phase("resuming from the checkpoint" if cfg.run.resume is not None else "opening the checkpoints"):
+        checkpoints, state = _open_checkpoints(cfg, engine=engine, reference=reference, allow_changes=allow_changes,
+                                               is_main=info.rank == 0, say=say)
     if state is not None and state["step"] == cfg.optimization.max_steps and state["step"] > 0:
         from zcvae.runs.rundir import final_eval_metrics
 
@@ -211,7 +226,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     final = _run_loop(cfg, engine=engine, model=model, data=data, peak_lrs=peak_lrs,
                       group_names=[g["name"] for g in groups], reference=reference, checkpoints=checkpoints,
                       start_step=0 if state is None else state["step"], world_size=info.world_size, is_main=info.rank == 0,
-                      signals=signals, follower=follower, say=say)
+                      signals=signals, phases=phases, follower=follower, say=say)
     _finish(cfg, final, run_dir=run_dir, is_main=info.rank == 0, say=say)
     return final
 
@@ -223,6 +238,7 @@ def _start_processes(log):
     info = init_distributed()
     is_main = info.rank == 0
     flushes = flush_denormals(log=log if is_main else None)
+    limit_heap_retention()
     # ranks of one job keep their count (torchrun sets OMP_NUM_THREADS=1 anyway); one process follows the free cores
     follower, threads_from = cpu_threads(follow=info.world_size == 1) if info.device.type == "cpu" else (None, "torch default")
     cpu = {"flush_denormals": flushes, "num_threads": torch.get_num_threads(), "num_threads_from": threads_from}
@@ -260,7 +276,6 @@ def _load_data_and_model(cfg: TrainConfig, *, say) -> _RunData:
     health = check_markers(cfg, backbone, log=say)
     # ZeRO-3 and FSDP2 build the model without its weights (each rank later keeps its shard); the others load it whole
     loading = sharded_loading(cfg.engine_config())
-    check_base_dtype(cfg)
     model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.optimization.seed, loading=loading)
     if loading is not None:
         say(f"[backbone] sharded load ({cfg.engine.engine}): weights stream from rank 0 once the engine has sharded the model; "
@@ -277,15 +292,6 @@ def _load_data_and_model(cfg: TrainConfig, *, say) -> _RunData:
     calibration = collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots)
     return _RunData(cfg=cfg, splits=splits, backbone=backbone, health=health, model=model, train_enc=train_enc, val_enc=val_enc,
                     train_report=train_report, val_report=val_report, calibration=calibration)
-
-
-def check_base_dtype(cfg: TrainConfig) -> None:
-    """ValueError when a bfloat16 base would need bfloat16 collectives that gloo (CPU) lacks."""
-    import torch.distributed as dist
-
-    if cfg.resolved_base_dtype == "bfloat16" and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
-        raise ValueError("base_dtype: a bfloat16 base at world size > 1 needs bfloat16 collectives, which gloo (CPU) does not support; "
-                         "use --base-dtype float32 on CPU, or world size 1")
 
 
 def report_encoding(name: str, report, *, say) -> None:
@@ -328,7 +334,7 @@ def _open_checkpoints(cfg: TrainConfig, *, engine, reference, allow_changes, is_
 
 
 def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, group_names, reference, checkpoints, start_step: int,
-              world_size: int, is_main: bool, signals, follower, say) -> dict[str, float]:
+              world_size: int, is_main: bool, signals, phases, follower, say) -> dict[str, float]:
     """The step loop with the CVAE objective, evaluating every ``eval_every`` steps and at the end."""
     from zcvae.eval.evaluation import evaluate
 
@@ -341,8 +347,14 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
     settings = loop_settings(cfg)
 
     def run_eval(step: int) -> dict[str, float]:
-        metrics = evaluate(engine=engine, model=model, cfg=cfg, val=data.val_enc, reference=reference, task=data.splits.task,
-                           run_dir=run_dir, step=step)
+        # a stop agreed inside raises PhaseStopped before anything is written: the loop saves step `step` (or,
+        # after the last step, keeps the last checkpoint)
+        phases.before_step = step + 1
+        if step == cfg.optimization.max_steps:
+            phases.hint = "the final checkpoint was not written; the same command with --resume auto continues from the last one"
+        with phases.phase(f"the evaluation at step {step}"):
+            metrics = evaluate(engine=engine, model=model, cfg=cfg, val=data.val_enc, reference=reference, task=data.splits.task,
+                               run_dir=run_dir, step=step, tick=phases.tick)
         logger.log("eval", step, metrics)
         if step in settings.eval_at:  # the end of the KL delay
             from zcvae.eval.verdict import delay_end_note

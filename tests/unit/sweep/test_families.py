@@ -1,5 +1,5 @@
 """The shipped family files (launch/families/*.yaml): the runs each one promises, every run's parameters
-recovered from its rendered SLURM script (mode included), and the README's sweep command."""
+recovered from its rendered SLURM script (mode included), and the sweep commands of the README and docs/."""
 
 import re
 from pathlib import Path
@@ -76,10 +76,12 @@ def test_local_plan_overrides_task_and_output_dir(name, tmp_path):
     TrainConfig.from_dict({k: v for k, v in runs[0].params.items()})  # every param is a config field
 
 
-def test_readme_sweep_commands_name_files_that_exist():
-    text = (REPO / "README.md").read_text() + (REPO / "launch" / "README.md").read_text()
+def test_readme_and_docs_sweep_commands_name_files_that_exist():
+    pages = [REPO / "README.md", REPO / "launch" / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    text = "".join(p.read_text() for p in pages)
     commands = re.findall(r"(?:python launch/sweep\.py|zcvae sweep) ([a-z]\S*\.yaml)", text)
     assert commands, "the README shows a sweep command"
+    assert re.search(r"zcvae sweep [a-z]\S*\.yaml", (REPO / "README.md").read_text()), "the README shows a sweep command"
     for family in commands:
         assert (REPO / family).is_file(), family
 
@@ -97,8 +99,8 @@ def test_every_shipped_family_plans_with_known_fields_and_distinct_names(path):
 
 
 def test_late_decisions_config_is_the_first_arm_of_late_pool_support():
-    """The recipe users get (launch/configs/late-decisions.yaml) is the arm the README's late-decision table
-    measured, so the two files cannot drift apart."""
+    """The recipe users get (launch/configs/late-decisions.yaml) is the arm the late-decision table of
+    docs/results/late-decisions.md measured, so the two files cannot drift apart."""
     config = REPO / "launch" / "configs" / "late-decisions.yaml"
     args = build_parser().parse_args(["train", "--config", str(config), "--task", "sort3", "--num-latents", "3"])
     cfg = resolve_train_config(args)
@@ -173,7 +175,7 @@ def test_aggregation_family_is_seed_000s_four_arm_ablation():
 def test_the_default_families_run_the_no_flag_default_and_the_user_families_the_former_one():
     """default.yaml, default-add-search.yaml, user-*-default.yaml, k-spare-default.yaml and real-lm-default.yaml give no objective, so each run is the default preset, as `zcvae
     train` resolves it from the rendered arguments; user-late.yaml and user-ambiguous.yaml, whose runs the
-    README's user-family tables quote, name raw+dist and so keep the former default (the </y> state,
+    user-family tables of docs/results/ quote, name raw+dist and so keep the former default (the </y> state,
     no scale, no support)."""
     from zcvae.config import DEFAULT_PRESET, load_config_file
 
@@ -184,7 +186,7 @@ def test_the_default_families_run_the_no_flag_default_and_the_user_families_the_
     tasks = {(c.data.task, c.model.num_latents, c.optimization.seed) for c in _trained(FAMILIES / "default.yaml")}
     assert tasks == {(t, k, s) for t, k in (("copy", 2), ("sort", 2), ("add", 2), ("search", 2), ("sort3", 3), ("mul", 3))
                      for s in (0, 1, 2)}
-    # add and search at 3x the steps, from 3,000-step stages: the README's rows for them
+    # add and search at 3x the steps, from 3,000-step stages: the rows of docs/results/default.md for them
     longer = {(c.data.task, c.model.num_latents, c.optimization.max_steps, c.optimization.seed) for c in _trained(FAMILIES / "default-add-search.yaml")}
     assert longer == {(t, 2, 900, s) for t in ("add", "search") for s in (0, 1, 2)}
     for name in ("user-late", "user-ambiguous"):
