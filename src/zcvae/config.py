@@ -98,6 +98,10 @@ class ObjectiveSection(StrictDataclass):
     kl_weight_factor: float | None = _f(None, "The multiplier of beta that kl-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
     kl_schedule: str = _f("delay-ramp", "constant, delay-ramp (0 for kl-delay-fraction, then linear over kl-ramp-fraction) or cyclical.", choices=("constant", "delay-ramp", "cyclical"))
     kl_delay_fraction: float = _f(0.3, "Fraction of steps (per cycle) with beta = 0.")
+    kl_delay_mode: str = _f("fixed", "When the KL delay of the delay-ramp schedule ends: fixed (after kl-delay-fraction of the steps) or read (after at least kl-delay-fraction, at the first check where the decoder reads z: on kl-delay-read-share of a fixed probe set of validation examples, teacher-forced y is e times likelier under one z than under another; at most kl-delay-max-fraction). Then beta ramps over kl-ramp-fraction of the steps. No labels are used.", choices=("fixed", "read"))
+    kl_delay_max_fraction: float = _f(0.8, "kl-delay-mode read: the cap of the delay, a fraction of max-steps; reached without a read, beta starts there and the run says so.")
+    kl_delay_read_share: float = _f(0.5, "kl-delay-mode read: the share of probe examples on which the decoder must read z (the best z makes y at least e times likelier than the worst) to end the delay.")
+    kl_delay_check_every: int = _f(10, "kl-delay-mode read: optimizer steps between two checks of whether the decoder reads z.")
     kl_ramp_fraction: float = _f(0.2, "Fraction of steps (per cycle) over which beta ramps to kl-weight.")
     kl_cycles: int = _f(4, "Number of cycles of the cyclical schedule.")
     posterior_entropy_weight: float = _f(0.0, "Weight of the mean posterior entropy H(q) (positive sharpens q).")
@@ -570,6 +574,16 @@ def validate(config: TrainConfig) -> None:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if not (0 <= cfg.kl_delay_fraction and 0 <= cfg.kl_ramp_fraction and cfg.kl_delay_fraction + cfg.kl_ramp_fraction <= 1):
         raise ValueError("kl_delay_fraction and kl_ramp_fraction must be >= 0 and sum to at most 1")
+    if cfg.kl_delay_mode == "read":
+        if cfg.kl_schedule != "delay-ramp":
+            raise ValueError(f"kl_delay_mode read needs kl_schedule delay-ramp (one delay that can end on evidence), got {cfg.kl_schedule!r}")
+        if not (cfg.kl_delay_fraction <= cfg.kl_delay_max_fraction and cfg.kl_delay_max_fraction + cfg.kl_ramp_fraction <= 1):
+            raise ValueError(f"kl_delay_max_fraction {cfg.kl_delay_max_fraction:g} must be >= kl_delay_fraction {cfg.kl_delay_fraction:g} "
+                             f"and leave room for the ramp (kl_delay_max_fraction + kl_ramp_fraction <= 1, kl_ramp_fraction is {cfg.kl_ramp_fraction:g})")
+        if not 0 < cfg.kl_delay_read_share <= 1:
+            raise ValueError(f"kl_delay_read_share must be in (0, 1], got {cfg.kl_delay_read_share}")
+        if cfg.kl_delay_check_every < 1:
+            raise ValueError(f"kl_delay_check_every must be >= 1, got {cfg.kl_delay_check_every}")
     if cfg.reconstruction_loss_sum_scale is not None:
         if cfg.reconstruction_loss_token_aggregation_mode != "sum":
             raise ValueError(f"reconstruction_loss_sum_scale applies to reconstruction_loss_token_aggregation_mode sum only, "
@@ -679,11 +693,21 @@ def resolve_scale_factors(cfg: TrainConfig, *, mean_num_tokens: float, say=lambd
     return cfg
 
 
-def kl_weight_at(cfg: TrainConfig, step: int) -> float:
-    """beta at optimizer step ``step`` (0-based) under the configured schedule, times ``kl_weight_factor``."""
+def kl_weight_at(cfg: TrainConfig, step: int, *, delay_end: int | None = None) -> float:
+    """beta at optimizer step ``step`` (0-based) under the configured schedule, times ``kl_weight_factor``.
+
+    ``kl_delay_mode`` read: ``delay_end`` is the step the delay ended at (``zcvae.train.kl_delay.KLDelay``), None
+    while it lasts (beta 0); from there beta ramps over ``kl_ramp_fraction`` of the steps, as after a fixed delay."""
     o, max_steps = cfg.objective, cfg.optimization.max_steps
     if o.kl_schedule == "constant":
         return cfg.effective_kl_weight
+    if o.kl_delay_mode == "read":
+        if delay_end is None or step < delay_end:
+            return 0.0
+        if o.kl_ramp_fraction == 0:
+            return cfg.effective_kl_weight
+        # the fixed schedule's expression with its delay end moved: a delay that ends at the fixed step gives its betas
+        return cfg.effective_kl_weight * min(1.0, (step / max_steps - delay_end / max_steps) / o.kl_ramp_fraction)
     period = max_steps if o.kl_schedule == "delay-ramp" else max(1, max_steps // o.kl_cycles)
     frac = (step % period) / period if o.kl_schedule == "cyclical" else step / period
     if frac < o.kl_delay_fraction:
@@ -699,6 +723,8 @@ def kl_delay_end(cfg: TrainConfig) -> int | None:
     trainer evaluates there once: whether the decoder reads z when the KL starts to price it
     (``zcvae.eval.verdict.delay_end_note``)."""
     max_steps = cfg.optimization.max_steps
+    if cfg.objective.kl_delay_mode == "read":
+        return None  # it ends on evidence: the trainer evaluates there when it does (zcvae.train.kl_delay)
     if cfg.objective.kl_schedule == "constant" or cfg.objective.kl_delay_fraction == 0:
         return None
     return next((step for step in range(1, max_steps) if kl_weight_at(cfg, step) != 0), None)

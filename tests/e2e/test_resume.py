@@ -86,3 +86,39 @@ def test_resume_with_another_aggregation_mode_is_refused(cli, tiny_backbone, uni
                "--reconstruction-loss-token-aggregation-mode", "sum", cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert "reconstruction_loss_token_aggregation_mode changed" in proc.stderr and "'mean'" in proc.stderr and "'sum'" in proc.stderr
+
+
+# --kl-delay-mode read: the delay is checked after every step from step 3 (0.3 x 10) to its cap at step 6 (0.6 x 10)
+READ_DELAY = ["--max-steps", "10", "--kl-delay-mode", "read", "--kl-delay-fraction", "0.3", "--kl-delay-max-fraction", "0.6",
+              "--kl-ramp-fraction", "0.2", "--kl-delay-check-every", "1"]
+
+
+def test_a_run_killed_inside_an_evidence_based_kl_delay_resumes_it_bitwise(cli, tiny_backbone, tmp_path):
+    """Killed after step 4, with two checks recorded and the delay still on: the resumed run checks at the steps
+    the uninterrupted one did, ends the delay at the same step for the same reason, and ends with the same weights."""
+    args = [*TRAIN, *READ_DELAY]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    cli("train", "--backbone", tiny_backbone, "--output-dir", straight, *args, cwd=tmp_path, env=ONE_THREAD)
+    proc = cli("train", "--backbone", tiny_backbone, "--output-dir", killed, *args, cwd=tmp_path, check=False,
+               env={**ONE_THREAD, "ZCVAE_DEBUG_KILL_AT_STEP": "4"})
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    meta = json.loads((killed / "checkpoints" / "step_00000004" / "meta.json").read_text())
+    assert meta["trainer_state"]["kl_delay"]["ended_at"] is None and len(meta["trainer_state"]["kl_delay"]["checks"]) == 2
+
+    resumed = cli("train", "--backbone", tiny_backbone, "--output-dir", killed, *args, "--resume", "auto", cwd=tmp_path, env=ONE_THREAD)
+    assert "[resume] from step 4" in resumed.stdout + resumed.stderr
+
+    got, want = _records(killed), _records(straight)
+    checks = sorted(step for split, step in want if split == "kl_delay")
+    assert checks[0] == 3 and checks[-1] <= 6  # the delay ended by its cap at the latest
+    assert "ended_at" in want[("kl_delay", checks[-1])][0]
+    assert got.keys() == want.keys()
+    for key, records in got.items():
+        for record in records:
+            assert record == want[key][0], f"{key} differs"
+    for name in ("trainable.safetensors", "buffers.safetensors"):
+        a = load_file(str(killed / "checkpoints" / "step_00000010" / name))
+        b = load_file(str(straight / "checkpoints" / "step_00000010" / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    verdict = json.loads((killed / "verdict.json").read_text())
+    assert verdict["kl_delay"] == json.loads((straight / "verdict.json").read_text())["kl_delay"] is not None

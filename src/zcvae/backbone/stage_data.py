@@ -190,6 +190,9 @@ class SpanNLLObjective:
     def end_step(self, done: int) -> None:
         pass
 
+    def state_dict(self) -> dict:
+        return {}  # a pure function of (seed, step): nothing to keep besides the weights
+
     def window_metrics(self) -> dict[str, float]:
         return {}
 

@@ -389,6 +389,7 @@ def judge(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int | 
         "decoding": decoding,
         "gold": gold,
         "next_step": next_step,
+        "kl_delay": _kl_delay(metrics),
         "reasons": reasons,
         "thresholds": {"min_mi_fraction": MIN_MI_FRACTION, "min_distinct_outputs": MIN_DISTINCT_OUTPUTS,
                        "gold_collapsed_nmi": GOLD_COLLAPSED_NMI, "aligned_nmi_ratio": ALIGNED_NMI_RATIO,
@@ -399,6 +400,14 @@ def judge(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int | 
     }
     out["lines"] = verdict_lines(out)
     return out
+
+
+def _kl_delay(metrics: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Where a delay that ends on evidence ended (``zcvae.train.kl_delay``): {ended_at, reason}, None otherwise."""
+    ended, by_read = _number(metrics, "kl_delay/ended_at"), _number(metrics, "kl_delay/ended_by_read")
+    if ended is None:
+        return None
+    return {"ended_at": int(ended), "reason": "read" if by_read else "cap"}
 
 
 def verdict_lines(verdict: Mapping[str, Any]) -> list[str]:
@@ -422,6 +431,9 @@ def verdict_lines(verdict: Mapping[str, Any]) -> list[str]:
                      f"decoded x; exact match {_fmt(dec['exact_match'])}")
     elif dec["exact_match"] is not None:
         lines.append(f"  decoding: exact match {_fmt(dec['exact_match'])} (not decoded with every z)")
+    if delay := verdict.get("kl_delay"):
+        how = "the decoder read z" if delay["reason"] == "read" else "its cap, without a read: the decoder did not read z yet"
+        lines.append(f"  KL delay (--kl-delay-mode read): ended after step {delay['ended_at']} by {how}")
     for reason in verdict["reasons"]:
         lines.append(f"  why: {reason}")
     gold = verdict.get("gold")

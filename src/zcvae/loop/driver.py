@@ -22,7 +22,7 @@ on the objective.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,8 +48,9 @@ class LoopSettings:
     skip_nonfinite_steps: int = 0
     progress_bar: bool = True
     run_name: str = "run"
-    eval_at: tuple[int, ...] = ()
-    """Steps evaluated besides every ``eval_every`` (the trainer's: the end of the KL delay)."""
+    eval_at: Container[int] = ()
+    """Steps evaluated besides every ``eval_every`` (the trainer's: the end of the KL delay; a set the objective adds
+    to when its delay ends on evidence)."""
 
 
 def evaluates_after(settings: LoopSettings, done: int) -> bool:
@@ -88,6 +89,9 @@ class Objective(Protocol):
                    global_tokens: torch.Tensor, window) -> MicroLoss: ...
 
     def end_step(self, done: int) -> None: ...
+
+    def state_dict(self) -> dict:
+        """What the checkpoint keeps of the objective besides the weights (plain types; {} for none)."""
 
     def window_metrics(self) -> dict[str, float]: ...
 
@@ -182,7 +186,7 @@ def run_loop(
         stop = (verdict == "stop" or stopped_in_eval is not None) and done != s.max_steps  # preempted: save here, then end
         if (s.save_every and done % s.save_every == 0 and done != s.max_steps) or stop:
             check_finite_weights(engine, step=done)
-            checkpoints.save(engine, step=done, **checkpoint_state)
+            checkpoints.save(engine, step=done, **checkpoint_state, trainer_state=objective.state_dict())
         if stop:
             progress.close()
             logger.close()
@@ -193,5 +197,5 @@ def run_loop(
 
     check_finite_weights(engine, step=s.max_steps)
     final = evaluate(s.max_steps)
-    checkpoints.save(engine, step=s.max_steps, **checkpoint_state)
+    checkpoints.save(engine, step=s.max_steps, **checkpoint_state, trainer_state=objective.state_dict())
     return final

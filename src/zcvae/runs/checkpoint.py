@@ -101,6 +101,10 @@ OBJECTIVE_FIELDS = (
     "reconstruction_weight_scale",
     "kl_schedule",
     "kl_delay_fraction",
+    "kl_delay_mode",
+    "kl_delay_max_fraction",
+    "kl_delay_read_share",
+    "kl_delay_check_every",
     "kl_ramp_fraction",
     "kl_cycles",
     "posterior_entropy_weight",
@@ -338,7 +342,7 @@ class CheckpointManager:
         return found[-1] if found else None
 
     # ---------------------------------------------------------------- save
-    def save(self, engine: Any, *, step: int, config: Any, c_base: Any) -> Path:
+    def save(self, engine: Any, *, step: int, config: Any, c_base: Any, trainer_state: dict | None = None) -> Path:
         """Write checkpoint ``step`` atomically; prune to the newest ``keep``; return its path.
 
         Any failure (a full disk, a read-only mount, Ctrl-C) removes the ``.tmp`` directory on rank 0 and
@@ -349,7 +353,7 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         tmp = self.path_for(step).with_name(self.path_for(step).name + ".tmp")
         try:
-            return self._save(engine, step=step, config=config, c_base=c_base)
+            return self._save(engine, step=step, config=config, c_base=c_base, trainer_state=trainer_state)
         except BaseException as err:
             space = disk_error(err)
             # Ctrl-C and a full or read-only disk: this process lives on, so it tidies up (a crash leaves
@@ -378,7 +382,7 @@ class CheckpointManager:
         return (f"no space left on device while writing checkpoint {str(tmp)!r}{' (' + ', '.join(sizes) + ')' if sizes else ''}; "
                 f"the partial checkpoint was removed and the earlier checkpoints are intact. Free space, then resume with --resume auto")
 
-    def _save(self, engine: Any, *, step: int, config: Any, c_base: Any) -> Path:
+    def _save(self, engine: Any, *, step: int, config: Any, c_base: Any, trainer_state: dict | None = None) -> Path:
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
         if self.is_main:
@@ -401,6 +405,8 @@ class CheckpointManager:
             "c_base": cb,
             "config": cfg,
         }
+        if trainer_state:  # the objective's own state (the KL delay that ends on evidence: where it ended)
+            meta["trainer_state"] = trainer_state
         # client_state travels through the engine (weights_only-loadable: plain types only)
         client_state = {"step": step, "world_size": meta["world_size"], "engine": meta["engine"], "meta_json": json.dumps(meta, sort_keys=True, default=str)}
         engine.save_checkpoint(str(tmp / ENGINE_DIR), client_state=client_state)

@@ -33,6 +33,7 @@ from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_jso
 from zcvae.runs.lock import LOCK_FILE, RunLock
 from zcvae.train.faults import fault_injection_from_env
 from zcvae.train.grad_probe import PROBE_SPLIT, GradientProbe
+from zcvae.train.kl_delay import KL_DELAY_SPLIT, READ_PROBE_EXAMPLES, KLDelay, check_delay
 from zcvae.loop import LoopSettings, MetricWindow, MicroLoss, RunLogger, run_loop  # noqa: F401 - MetricWindow, RunLogger: their home is zcvae.loop
 from zcvae.loop.guards import StopSignals
 from zcvae.loop.setup import SetupPhases
@@ -225,8 +226,8 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     # 6. the loop (zcvae.loop), with the CVAE objective of one micro-batch
     final = _run_loop(cfg, engine=engine, model=model, data=data, peak_lrs=peak_lrs,
                       group_names=[g["name"] for g in groups], reference=reference, checkpoints=checkpoints,
-                      start_step=0 if state is None else state["step"], world_size=info.world_size, is_main=info.rank == 0,
-                      signals=signals, phases=phases, follower=follower, say=say)
+                      start_step=0 if state is None else state["step"], trainer_state=None if state is None else (state["meta"] or {}).get("trainer_state"),
+                      world_size=info.world_size, is_main=info.rank == 0, signals=signals, phases=phases, follower=follower, say=say)
     _finish(cfg, final, run_dir=run_dir, is_main=info.rank == 0, say=say)
     return final
 
@@ -334,8 +335,9 @@ def _open_checkpoints(cfg: TrainConfig, *, engine, reference, allow_changes, is_
 
 
 def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, group_names, reference, checkpoints, start_step: int,
-              world_size: int, is_main: bool, signals, phases, follower, say) -> dict[str, float]:
-    """The step loop with the CVAE objective, evaluating every ``eval_every`` steps and at the end."""
+              trainer_state: dict | None, world_size: int, is_main: bool, signals, phases, follower, say) -> dict[str, float]:
+    """The step loop with the CVAE objective, evaluating every ``eval_every`` steps and at the end.
+    ``trainer_state``: the objective's state saved with the resumed checkpoint (None: a fresh run, or one saved before it)."""
     from zcvae.eval.evaluation import evaluate
 
     run_dir = Path(cfg.run.output_dir)
@@ -366,13 +368,15 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
     # the posterior gradient of the dilution argument (docs/objective.md#dilution), every grad_probe_every steps (zcvae.train.grad_probe: reads the same forward)
     probe = GradientProbe.for_model(model, task=data.splits.task, tokenizer=model.tokenizer) if cfg.run.grad_probe_every else None
     objective = CVAEObjective(cfg, engine=engine, model=model, train=data.train_enc, reference=reference, recon_cfg=recon_cfg,
-                              probe=probe, logger=logger)
+                              probe=probe, logger=logger, val=data.val_enc, eval_at=settings.eval_at, log=say)
+    objective.load_state_dict(trainer_state)
     final = run_loop(
         engine=engine, objective=objective, settings=settings, num_examples=len(data.train_enc),
         peak_lrs=peak_lrs, group_names=group_names, lr_factor=lambda step: lr_factor_at(cfg, step),
         start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": cfg, "c_base": reference.c_base},
         evaluate=run_eval, logger=logger, signals=signals, log=say, cpu_threads=follower,
     )
+    final.update(objective.delay_metrics())
     logger.hparams(cfg, final)
     logger.close()
     return final
@@ -396,8 +400,9 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
         max_steps=cfg.optimization.max_steps, micro_batch_size=cfg.optimization.micro_batch_size, gradient_accumulation_steps=cfg.optimization.gradient_accumulation_steps,
         seed=cfg.optimization.seed, log_every=cfg.run.log_every, eval_every=cfg.evaluation.eval_every, save_every=cfg.run.save_every, max_grad_norm=cfg.optimization.max_grad_norm,
         skip_nonfinite_steps=cfg.run.skip_nonfinite_steps, progress_bar=cfg.run.progress_bar, run_name=cfg.run.run_name,
-        # the end of the KL delay: whether the decoder reads z when the KL starts (zcvae.eval.verdict.delay_end_note)
-        eval_at=() if (end := kl_delay_end(cfg)) is None else (end,),
+        # the end of the KL delay: whether the decoder reads z when the KL starts (zcvae.eval.verdict.delay_end_note);
+        # a delay that ends on evidence adds its step when it ends (CVAEObjective.end_step)
+        eval_at=set() if (end := kl_delay_end(cfg)) is None else {end},
     )
 
 
@@ -406,15 +411,21 @@ class CVAEObjective:
     model's forward, ``per_example_objective`` over the global count, the marginal/router terms (their
     own all-reduce per global micro-batch) and the gradient probe."""
 
-    def __init__(self, cfg: TrainConfig, *, engine, model, train, reference, recon_cfg, probe, logger):
+    def __init__(self, cfg: TrainConfig, *, engine, model, train, reference, recon_cfg, probe, logger, val=(), eval_at=None, log=print):
         self.cfg, self.engine, self.model, self.train = cfg, engine, model, train
         self.reference, self.recon_cfg, self.probe, self.logger = reference, recon_cfg, probe, logger
         self.beta, self.probing = 0.0, False
         self.aux = AuxiliaryWeights.from_train_config(cfg, beta=self.beta)
+        # --kl-delay-mode read: the delay ends when the decoder reads z on a fixed probe set (zcvae.train.kl_delay)
+        self.delay = KLDelay.from_config(cfg)
+        self.delay_probe = list(val[:READ_PROBE_EXAMPLES])
+        if self.delay.evidence and (cfg.model.latent_type != "discrete" or cfg.model.num_latents < 2):
+            raise ValueError("kl_delay_mode read needs a discrete latent with num_latents >= 2 (it compares the decoder across z)")
+        self.eval_at, self.log = eval_at, log
 
     def begin_step(self, step: int) -> None:
         self.probing = self.probe is not None and (step + 1) % self.cfg.run.grad_probe_every == 0
-        self.beta = kl_weight_at(self.cfg, step)
+        self.beta = kl_weight_at(self.cfg, step, delay_end=self.delay.ended_at)
         self.aux = AuxiliaryWeights.from_train_config(self.cfg, beta=self.beta)  # router support may follow beta
 
     def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list:
@@ -448,6 +459,23 @@ class CVAEObjective:
     def end_step(self, done: int) -> None:
         if self.probing:
             self.logger.log(PROBE_SPLIT, done, self.probe.result(kl_weight=self.beta, all_reduce=self.engine.all_reduce))
+        if self.delay.checks_after(done):
+            ended = check_delay(self.delay, done, engine=self.engine, model=self.model, probe=self.delay_probe,
+                                batch_size=self.cfg.optimization.micro_batch_size, num_z_slots=self.cfg.slot_tokens, log=self.log)
+            self.logger.log(KL_DELAY_SPLIT, done, self.delay.record())
+            if ended is not None and self.eval_at is not None:
+                self.eval_at.add(done)  # the delay-end evaluation and its [kl] line (_run_loop.run_eval)
+
+    def state_dict(self) -> dict:
+        return {"kl_delay": self.delay.state_dict()} if self.delay.evidence else {}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.delay.evidence:
+            self.delay.load_state_dict((state or {}).get("kl_delay"))
+
+    def delay_metrics(self) -> dict[str, float]:
+        """The delay's end for the final metrics and the verdict (``kl_delay/ended_at``, ``kl_delay/ended_by_read``)."""
+        return {f"{KL_DELAY_SPLIT}/{k}": v for k, v in self.delay.record().items()} if self.delay.evidence else {}
 
     def window_metrics(self) -> dict[str, float]:
         return {"kl_weight": self.beta, "c_base": self.reference.c_base.value}
