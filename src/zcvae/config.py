@@ -148,6 +148,7 @@ class RunSection(StrictDataclass):
     log_every: int = _f(10, "Log train metrics every N steps.")
     grad_probe_every: int = _f(0, "Every N steps, log the norms of the reconstruction and the KL gradient on the router's posterior head and on the LoRA weights, separately, their ratio and t0/T (the dilution argument, docs/objective.md#dilution; zcvae.train.grad_probe; records of split grad_probe in metrics.jsonl). 0: off. Changes no training number. Cost on a probed step: two extra backward passes per micro-batch (the reconstruction one about as long as the step's own backward, the KL one through the router pass only) and one all-reduce of those gradients. Needs --engine local.")
     progress_bar: bool = _f(True, "Show a progress bar on rank 0.")
+    follow_cores: bool = _f(False, "On CPU, one process: start on the cores idle now and follow the cores other processes leave free at each log step (faster beside other jobs). Off: the thread count is fixed (OMP_NUM_THREADS, else every core), so a fixed-seed run gives the same numbers whatever else runs on the machine; the thread count sets the summation order, so following makes the last digits, and over a long run possibly the outcome, depend on the load.")
     save_every: int = _f(0, "Save a resumable checkpoint every N steps (0: only at the end).")
     keep_last_checkpoints: int = _f(2, "Resumable checkpoints kept.")
     resume: str | None = _f(None, "Resume from a checkpoint directory, or 'auto' for the newest complete one in the run directory.")

@@ -307,15 +307,15 @@ def free_cpu_cores(*, interval: float = 0.2) -> int:
 
 
 class CoreFollower:
-    """Keeps torch's CPU threads at the cores other processes leave free, re-measured at each ``update``.
+    """Keeps torch's CPU threads at the cores other processes leave free, re-measured at each ``update``
+    (``--follow-cores`` only: the numbers then depend on the load, see :func:`cpu_threads`).
 
     Why: a run that starts next to another one keeps the thread count it started with, so when the
-    other ends a core sits idle (the demo's default beside its two controls; the last runs of a local
-    sweep). On the demo's default step 2 threads ran 1.6x faster than 1 for 1.15x the CPU time
-    (BENCHMARKS.md, "The demo"). The load of the others is measured over the whole interval between two
-    calls (a log window, tens of seconds, so a short spike does not flip the count): the busy cores of
-    /proc/stat less this process's own CPU time, so its own threads never count as load and no sampling
-    sleep is needed. Without /proc/stat the count stays as it is.
+    other ends a core sits idle (the last runs of a local sweep). On the demo's default step 2 threads ran
+    1.6x faster than 1 for 1.15x the CPU time (BENCHMARKS.md, "The demo"). The load of the others is
+    measured over the whole interval between two calls (a log window, tens of seconds, so a short spike does
+    not flip the count): the busy cores of /proc/stat less this process's own CPU time, so its own threads
+    never count as load and no sampling sleep is needed. Without /proc/stat the count stays as it is.
     """
 
     def __init__(self):
@@ -345,18 +345,26 @@ class CoreFollower:
         return torch.get_num_threads()
 
 
-# Set by a launcher that starts several runs at once (zcvae.sweep.local): start on this many threads, so
-# that runs started together do not each take every core, then follow the free cores.
+# Set by a launcher that starts several runs at once (zcvae.sweep.local): this many threads per run, so that runs
+# started together do not each take every core.
 START_THREADS_ENV = "ZCVAE_START_THREADS"
 
 
-def cpu_threads(*, follow: bool = True) -> tuple[CoreFollower | None, str]:
-    """The thread policy of a CPU training process: sets the starting count and returns (the follower
-    to update at each log step, or None where the count is fixed, and where the count came from).
+def cpu_threads(*, follow: bool = False) -> tuple[CoreFollower | None, str]:
+    """The thread policy of a CPU training process: sets the count and returns (the follower to update at
+    each log step, or None where the count is fixed, and where the count came from).
 
-    ``OMP_NUM_THREADS`` set (by the user, or by torchrun: ranks share the cores and must stay
-    reproducible): that count, fixed. Else ``ZCVAE_START_THREADS`` or the cores idle now
-    (:func:`free_cpu_cores`), then followed (:class:`CoreFollower`) where ``follow``.
+    Fixed (the default): ``OMP_NUM_THREADS`` (the user's, or torchrun's), else ``ZCVAE_START_THREADS`` (a
+    launcher's), else every core this process may use. Why fixed, and never from the load: the thread count
+    sets the summation order of torch's parallel reductions, so it changes the last digits of a loss (the quick
+    demo's c_base: 3.691550484972021 on one thread, 3.6915504846100498 on two), and a run of hundreds of steps
+    can amplify those into another outcome. A count taken from the load would make a fixed-seed run depend on
+    whatever else runs on the machine.
+
+    ``follow`` (``--follow-cores``): the old speed-first policy. Start on the launcher's count or on the cores
+    idle now (:func:`free_cpu_cores`: OpenMP threads that share a busy core spin-wait, up to 10x slower), then
+    follow the cores the others leave free (:class:`CoreFollower`); the numbers then depend on the load.
+    ``OMP_NUM_THREADS`` still fixes the count.
     """
     if "OMP_NUM_THREADS" in os.environ:
         return None, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
@@ -366,11 +374,12 @@ def cpu_threads(*, follow: bool = True) -> tuple[CoreFollower | None, str]:
             raise ValueError(f"{START_THREADS_ENV} must be a positive integer, got {start!r}")
         torch.set_num_threads(int(start))
         source = f"{START_THREADS_ENV}={start}"
-    else:
-        # OpenMP threads sharing a busy core spin-wait on each other: on 2 loaded cores a CVAE step with
-        # 2 threads ran up to 10x slower than with 1, so start on the cores idle now
+    elif follow:
         torch.set_num_threads(free_cpu_cores())
         source = "free cores (/proc/stat)"
+    else:
+        torch.set_num_threads(_available_cores())
+        source = "every core of this process"
     if not follow:
         return None, source
     return CoreFollower(), f"{source}, then the free cores at each log step"

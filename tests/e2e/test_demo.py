@@ -1,17 +1,32 @@
 """`zcvae demo --quick`: the README's main command end to end, at toy size."""
 
+import json
 from pathlib import Path
+
+import pytest
+
+from zcvae.commands.demo import QUICK_DEMO_THREADS
 
 from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
 
 
-def test_demo_quick_prints_the_three_arm_table(cli, tmp_path):
+# One thread, so that the second run below differs from this one in its thread count
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def quick_demo(cli, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("demo")
+    return tmp_path, cli("demo", "--quick", "--output-dir", tmp_path / "demo", cwd=tmp_path, env=ONE_THREAD)
+
+
+def test_demo_quick_prints_the_three_arm_table(quick_demo):
     """The tiny demo: sort3's backbone, then raw mean, the former default and the default, each run exactly
     as its arm says (the default's fields from the packaged preset file) and tabled."""
     from zcvae.commands.demo import DEMO_ARMS, DEMO_NUM_LATENTS, DEMO_TASK
     from zcvae.config import BEST_HYBRID, DEFAULT_OBJECTIVE, load_config_file
 
-    proc = cli("demo", "--quick", "--output-dir", tmp_path / "demo", cwd=tmp_path)
+    tmp_path, proc = quick_demo
     out = proc.stdout
     table = [line for line in out.splitlines() if line.startswith("|") and "---" not in line]
     assert len(table) == 1 + len(DEMO_ARMS), out[-3000:]
@@ -34,6 +49,22 @@ def test_demo_quick_prints_the_three_arm_table(cli, tmp_path):
     assert (tmp_path / "demo" / "table.md").read_text().strip() == "\n".join(
         line for line in out.splitlines() if line.startswith("|")
     ).strip()
+
+
+def test_the_demo_prints_the_same_table_whatever_thread_count_it_is_given(quick_demo, cli, tmp_path):
+    """The demo fixes its own thread counts (DEMO_THREADS): the count sets the summation order, and a table that
+    followed the machine's threads or load would differ in its last digits (one against two threads, the quick
+    demo's default: mi 0.000664 against 0.0006643) and, over 300 steps, possibly in its outcome. Run again with two
+    OpenMP threads (passive, so that they do not spin on a shared core), the table is the same to the last digit."""
+    first_dir, _ = quick_demo
+    cli("demo", "--quick", "--output-dir", tmp_path / "demo", cwd=tmp_path, env={"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"})
+    first, again = (first_dir / "demo" / "table.md").read_text(), (tmp_path / "demo" / "table.md").read_text()
+    assert again == first
+    # ... and each of its runs did run on the demo's count, not on the one it was given
+    for run in (tmp_path / "demo" / "runs").iterdir():
+        threads = {json.loads(line).get("num_threads") for line in (run / "metrics.jsonl").read_text().splitlines()} - {None}
+        record = json.loads((run / "run_config.json").read_text())
+        assert record["cpu"]["num_threads"] == QUICK_DEMO_THREADS["run"] and not threads - {QUICK_DEMO_THREADS["run"]}, (threads, record["cpu"])
 
 
 def test_demo_backbone_runs_the_entangled_stage_then_the_arms_and_resumes(cli, raw_tiny_backbone, tmp_path):

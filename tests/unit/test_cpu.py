@@ -111,15 +111,28 @@ def test_omp_num_threads_fixes_the_count_and_nothing_follows(monkeypatch, thread
     assert follower is None and source == "OMP_NUM_THREADS=1"
 
 
-def test_a_launcher_sets_the_start_and_the_run_follows_from_there(monkeypatch, threads):
+def test_a_launcher_sets_the_count_and_only_follow_cores_follows_from_there(monkeypatch, threads):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv(START_THREADS_ENV, "1")
     torch.set_num_threads(2)
-    follower, source = cpu_threads()
+    follower, source = cpu_threads()  # fixed: the numbers must not depend on the load
+    assert follower is None and torch.get_num_threads() == 1 and source == f"{START_THREADS_ENV}=1"
+    follower, source = cpu_threads(follow=True)  # --follow-cores
     assert isinstance(follower, CoreFollower) and torch.get_num_threads() == 1
     assert source == f"{START_THREADS_ENV}=1, then the free cores at each log step"
-    follower, source = cpu_threads(follow=False)  # the ranks of one job keep their count
-    assert follower is None and source == f"{START_THREADS_ENV}=1"
+
+
+def test_the_default_count_is_every_core_however_busy_they_are(monkeypatch, threads):
+    """Without OMP_NUM_THREADS or a launcher's count, a run takes every core of its affinity set, not the cores idle
+    now: the count must not depend on the load. --follow-cores starts on the idle ones."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv(START_THREADS_ENV, raising=False)
+    monkeypatch.setattr(distributed, "_affinity", lambda: frozenset({0, 1}))
+    monkeypatch.setattr(distributed, "busy_cpu_cores", lambda interval=0.2: 1.0)  # another process keeps one core busy
+    follower, source = cpu_threads()
+    assert follower is None and torch.get_num_threads() == 2 and source == "every core of this process"
+    follower, source = cpu_threads(follow=True)
+    assert isinstance(follower, CoreFollower) and torch.get_num_threads() == 1
 
 
 @pytest.mark.parametrize("bad", ["0", "two", "-1", ""])

@@ -88,8 +88,8 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
 
     flush_denormals(log=log)
     previous_threads = torch.get_num_threads()
-    # the thread policy of `zcvae train` (zcvae.distributed.cpu_threads); ranks of one job keep their count
-    follower, _ = cpu_threads(follow=dist_info().world_size == 1)
+    # a fixed thread count (zcvae.distributed.cpu_threads): every run trained on the stage starts from its numbers
+    follower, _ = cpu_threads()
     try:
         # as in `zcvae train`: the stop handlers first, then rank 0 holds the directory's lock
         with StopSignals() as signals:

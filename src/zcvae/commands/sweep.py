@@ -53,7 +53,7 @@ def local_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--local", action="store_true", required=True, help="run here, not through SLURM")
     parser.add_argument("--output-dir", required=True, help="run directories go to DIR/<run_name>; the table to DIR/table.md")
     parser.add_argument("--task", help="run the family on this built-in task instead of its own (e.g. sort)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each (default 1: one run at a time, threads on the free cores)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each (default 1: one run at a time, on every core)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and whether each is finished; train nothing")
     args = parser.parse_args(argv)
     try:

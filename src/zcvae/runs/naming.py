@@ -100,6 +100,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "resume",
     "reference_cache_dir",
     "progress_bar",
+    "follow_cores",  # how many CPU threads, not what is trained
     "log_every",
     "grad_probe_every",  # a probe that changes no training number
     "save_every",

@@ -7,9 +7,9 @@ unfinished run continues from its newest complete checkpoint (``--resume auto``)
 the backbones they need are built here: the family's entangled stages and the cached built-in backbones.
 
 There is one way to run: a subprocess per run, ``jobs`` at a time. With ``jobs == 1`` the run writes to this
-terminal (its progress bar included) and takes the free cores; with more, each run logs to
-``<run dir>/train.log`` and starts on one thread (``ZCVAE_START_THREADS=1``), then follows the cores the
-others leave free.
+terminal (its progress bar included) and takes every core; with more, each run logs to
+``<run dir>/train.log`` and runs on one thread (``ZCVAE_START_THREADS=1``; a family's ``follow_cores: true`` lets
+it follow the cores the others leave free, at the price of numbers that depend on them).
 """
 
 from __future__ import annotations
@@ -200,9 +200,8 @@ def _start(run: Run, *, one_at_a_time: bool, progress_bar: bool) -> tuple[subpro
     run_dir = Path(run.params["output_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     handle = open(run_dir / TRAIN_LOG, "a", encoding="utf-8")
-    # one thread to start with, so that runs started together do not each take every core; each then
-    # follows the cores the others leave free (zcvae.distributed.cpu_threads), so the last runs of a
-    # sweep use the cores the finished ones left. A user's OMP_NUM_THREADS still fixes the count.
+    # one thread each, so that runs started together do not each take every core (zcvae.distributed.cpu_threads:
+    # fixed, so that a run's numbers do not depend on what ran beside it). A user's OMP_NUM_THREADS still wins.
     from zcvae.distributed import START_THREADS_ENV  # torch, only once a run starts
 
     env = {START_THREADS_ENV: "1", **os.environ, "TOKENIZERS_PARALLELISM": "false"}

@@ -166,7 +166,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     from zcvae.reference.provider import ReferenceProvider
 
     # 1. processes, seeds, run directory
-    info, cpu, follower, say = _start_processes(log)
+    info, cpu, follower, say = _start_processes(log, follow_cores=cfg.run.follow_cores)
     seed_everything(cfg.optimization.seed)
     if cfg.run.run_name is None:  # a copy: the caller's config stays as given
         cfg = cfg.replace(run_name=train_run_name(cfg.to_dict()))
@@ -232,16 +232,18 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     return final
 
 
-def _start_processes(log):
-    """Start the process group, set the CPU threads; returns (dist info, the cpu record, the thread follower or
+def _start_processes(log, *, follow_cores: bool = False):
+    """Start the process group, set the CPU threads (``follow_cores``: ``--follow-cores``); returns (dist info, the cpu record, the thread follower or
     None, rank 0's log)."""
     # No group at world size 1 yet: the engines that need one even alone start it themselves.
     info = init_distributed()
     is_main = info.rank == 0
     flushes = flush_denormals(log=log if is_main else None)
     limit_heap_retention()
-    # ranks of one job keep their count (torchrun sets OMP_NUM_THREADS=1 anyway); one process follows the free cores
-    follower, threads_from = cpu_threads(follow=info.world_size == 1) if info.device.type == "cpu" else (None, "torch default")
+    # a fixed count unless --follow-cores (zcvae.distributed.cpu_threads: the count changes the last digits); the ranks
+    # of one job always keep theirs (torchrun sets OMP_NUM_THREADS=1 anyway)
+    follow = follow_cores and info.world_size == 1
+    follower, threads_from = cpu_threads(follow=follow) if info.device.type == "cpu" else (None, "torch default")
     cpu = {"flush_denormals": flushes, "num_threads": torch.get_num_threads(), "num_threads_from": threads_from}
     say = log if is_main else (lambda *a, **k: None)
     return info, cpu, follower, say
