@@ -101,6 +101,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "reference_cache_dir",
     "progress_bar",
     "log_every",
+    "report_to",
     "grad_probe_every",  # a probe that changes no training number
     "save_every",
     "keep_last_checkpoints",
