@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY, term_by_abbreviation, with_term_weight_fields
 from zcvae.presets import DEFAULT
+from zcvae.runs.sinks import DEFAULT_REPORT_TO, sink_names
 from zcvae.strict import StrictDataclass
 
 
@@ -146,6 +147,7 @@ class RunSection(StrictDataclass):
     output_dir: str = _f("runs/zcvae", "Run directory (created).")
     run_name: str | None = _f(None, "Run name (derived from the parameters that differ from the defaults when omitted).")
     log_every: int = _f(10, "Log train metrics every N steps.")
+    report_to: str = _f(DEFAULT_REPORT_TO, "Where the logged metrics go, a comma list: jsonl (metrics.jsonl; required, since resume, aggregate and the verdict read it), tensorboard (tensorboard/ in the run directory), wandb (a Weights & Biases run: pip install 'zcvae[wandb]'; WANDB_MODE and the other WANDB_* variables apply). Changes no training number.")
     grad_probe_every: int = _f(0, "Every N steps, log the norms of the reconstruction and the KL gradient on the router's posterior head and on the LoRA weights, separately, their ratio and t0/T (the dilution argument, docs/objective.md#dilution; zcvae.train.grad_probe; records of split grad_probe in metrics.jsonl). 0: off. Changes no training number. Cost on a probed step: two extra backward passes per micro-batch (the reconstruction one about as long as the step's own backward, the KL one through the router pass only) and one all-reduce of those gradients. Needs --engine local.")
     progress_bar: bool = _f(True, "Show a progress bar on rank 0.")
     follow_cores: bool = _f(False, "On CPU, one process: start on the cores idle now and follow the cores other processes leave free at each log step (faster beside other jobs). Off: the thread count is fixed (OMP_NUM_THREADS, else every core), so a fixed-seed run gives the same numbers whatever else runs on the machine; the thread count sets the summation order, so following makes the last digits, and over a long run possibly the outcome, depend on the load.")
@@ -554,6 +556,7 @@ def validate(config: TrainConfig) -> None:
     for name in nonneg:
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    sink_names(cfg.report_to)
     if not any(getattr(cfg, name) > 0 for name in RECONSTRUCTION_WEIGHT_FIELDS):
         raise ValueError("at least one reconstruction weight must be > 0 (e.g. reconstruction_weight)")
     if cfg.latent_type == "continuous" and cfg.num_latents != ModelSection.num_latents:

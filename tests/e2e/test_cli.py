@@ -75,9 +75,10 @@ def test_user_jsonl_data_and_bad_input(cli, tiny_backbone, tmp_path):
     run_dir = tmp_path / "user"
     run_cli("train", "--backbone", tiny_backbone, "--output-dir", run_dir, "--train-data", tmp_path / "train.jsonl",
             "--val-data", tmp_path / "val.jsonl", "--max-steps", "2", "--micro-batch-size", "8", "--log-every", "1",
-            "--no-progress-bar", cwd=tmp_path)
+            "--no-progress-bar", "--report-to", "jsonl", cwd=tmp_path)
     meta = read_run_record(run_dir)
     assert meta["data"]["source"].startswith("jsonl:") and meta["data"]["val"]["kept"] == 9
+    assert (run_dir / "metrics.jsonl").is_file() and not (run_dir / "tensorboard").exists()  # the one sink asked for
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("kl_weight: 1\nnot_a_field: 3\n")

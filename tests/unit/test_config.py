@@ -6,7 +6,7 @@ import json
 import pytest
 
 from zcvae.commands.cli import add_config_flags, resolve_train_config
-from zcvae.config import FLAT_KEYS, TrainConfig, kl_delay_end, kl_weight_at, lr_factor_at
+from zcvae.config import FLAT_KEYS, TrainConfig, kl_delay_end, kl_weight_at, lr_factor_at, train_run_name
 
 
 def _parse(argv):
@@ -124,6 +124,16 @@ def test_every_flat_key_is_a_field_of_exactly_one_section():
     assert set(TrainConfig().to_dict()) == set(FLAT_KEYS)
 
 
+def test_report_to_chooses_the_metric_sinks_and_is_not_part_of_the_run_name():
+    cfg = _parse(["--report-to", "jsonl,wandb"])  # wandb is imported only when a run opens its sink
+    assert cfg.run.report_to == "jsonl,wandb"
+    assert train_run_name(cfg.to_dict()) == train_run_name(_parse([]).to_dict())
+    with pytest.raises(ValueError, match="report_to must include jsonl"):
+        _parse(["--report-to", "tensorboard"])
+    with pytest.raises(ValueError, match="report_to: unknown sink 'mlflow'"):
+        _parse(["--report-to", "jsonl,mlflow"])
+
+
 def test_nested_yaml_equals_flat_yaml(tmp_path):
     flat, nested = tmp_path / "flat.yaml", tmp_path / "nested.yaml"
     flat.write_text("max_steps: 7\nlora-learning-rate: 0.002\nobjective: dist\nengine: local\nnum_latents: 3\n")
@@ -173,7 +183,7 @@ def test_a_flat_run_config_from_before_the_sections_still_loads(tmp_path):
     # every recorded field as recorded; a field added since (ADDED_SINCE) at its default
     ADDED_SINCE = {"router_support_schedule": "constant", "reconstruction_weight_scale": "none", "reconstruction_weight_factor": None,
                    "base_dtype": None, "kl_delay_mode": "fixed", "kl_delay_max_fraction": 0.8, "kl_delay_read_share": 0.5,
-                   "kl_delay_check_every": 10, "follow_cores": False}
+                   "kl_delay_check_every": 10, "follow_cores": False, "report_to": "tensorboard,jsonl"}
     assert old.to_dict() == {**ADDED_SINCE, **record["config"]}
     # a run directory of either layout reads back as the same flat config
     (tmp_path / "old").mkdir()

@@ -42,6 +42,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from filelock import FileLock
+
 from zcvae.runs.rundir import cache_root
 
 __all__ = [
@@ -233,24 +235,21 @@ def convert_gguf(
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
-    import fcntl
-
+    lock = FileLock(path, thread_local=False)  # waits while another process converts the same file
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a")
+        lock.acquire()  # creates the cache directory too
     except OSError as err:
         raise ValueError(f"the GGUF cache {str(path.parent)!r} is not writable: {err.strerror} (set ZCVAE_CACHE to a writable directory)") from None
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        except BaseException:
-            # a failed conversion leaves no lock file behind (removed while still held)
-            with contextlib.suppress(OSError):
-                path.unlink()
-            raise
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    try:
+        yield
+    except BaseException:
+        # a failed conversion leaves no lock file behind: removed while still held, so a waiter that locks
+        # the old file finds it dead and filelock retries on a new one
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise
+    finally:
+        lock.release()
 
 
 def cached_conversion(gguf_file: str | os.PathLike, *, log: Callable[[str], None] = print) -> Path:

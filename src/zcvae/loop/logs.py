@@ -1,8 +1,7 @@
-"""The run's logs: metrics.jsonl and TensorBoard through one RunLogger, the exact metric window, the progress bar."""
+"""The run's logs: one RunLogger over the metric sinks (metrics.jsonl, TensorBoard, ...), the exact metric window, the progress bar."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +10,7 @@ import torch
 
 from zcvae.core.losses import DIAGNOSTIC_REDUCTIONS
 from zcvae.distributed import reduce_metrics
-from zcvae.runs.rundir import METRICS
+from zcvae.runs.sinks import DEFAULT_REPORT_TO, SINKS, sink_names
 
 
 @dataclass
@@ -69,46 +68,22 @@ class MetricWindow:
 
 
 class RunLogger:
-    """metrics.jsonl plus TensorBoard (tags ``train/NAME``, ``eval/NAME``), written by rank 0 only."""
+    """What the run logs, sent by rank 0 to each sink that ``report_to`` names (zcvae.runs.sinks)."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool):
-        self.enabled = enabled
-        self.writer = None
-        if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-            self.jsonl = open(run_dir / METRICS, "a", buffering=1)
+    def __init__(self, run_dir: Path, *, enabled: bool, report_to: str = DEFAULT_REPORT_TO, run_name: str | None = None):
+        self.sinks = [SINKS[name](run_dir, run_name=run_name or run_dir.name) for name in sink_names(report_to)] if enabled else []
 
     def log(self, split: str, step: int, metrics: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        record = {"step": step, "split": split, **{k: _jsonable(v) for k, v in metrics.items()}}
-        self.jsonl.write(json.dumps(record, sort_keys=True) + "\n")
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(float(value)):
-                self.writer.add_scalar(f"{split}/{name}", float(value), step)
-        self.writer.flush()
+        for sink in self.sinks:
+            sink.log(split, step, metrics)
 
     def hparams(self, cfg, final: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        hp = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in cfg.to_dict().items()}
-        metrics = {f"hparam/{k}": float(v) for k, v in final.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
-        self.writer.add_hparams(hp, metrics, run_name="hparams")
-        self.writer.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2) + "\n```")
-        self.writer.flush()
+        for sink in self.sinks:
+            sink.hparams(cfg.to_dict(), final)
 
     def close(self) -> None:
-        if self.enabled:
-            self.writer.close()
-            self.jsonl.close()
-
-
-def _jsonable(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+        for sink in self.sinks:
+            sink.close()
 
 
 def progress_bar(settings, start: int, *, enabled: bool):

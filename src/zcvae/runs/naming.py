@@ -102,6 +102,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "progress_bar",
     "follow_cores",  # how many CPU threads, not what is trained
     "log_every",
+    "report_to",
     "grad_probe_every",  # a probe that changes no training number
     "save_every",
     "keep_last_checkpoints",

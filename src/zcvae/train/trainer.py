@@ -344,7 +344,7 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
 
     run_dir = Path(cfg.run.output_dir)
     recon_cfg = cfg.reconstruction_config()
-    logger = RunLogger(run_dir, enabled=is_main)
+    logger = RunLogger(run_dir, enabled=is_main, report_to=cfg.run.report_to, run_name=cfg.run.run_name)
     say(f"[run] {cfg.run.run_name}: {len(data.train_enc)} train / {len(data.val_enc)} val examples, world {world_size}, "
         f"engine {cfg.engine.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
 

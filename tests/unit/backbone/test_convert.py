@@ -174,3 +174,30 @@ def test_cli(tiny_gguf, converted, tmp_path, capsys):
     assert cli_main(["convert-gguf", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "o")]) == 2
     assert "nope.gguf" in capsys.readouterr().err and not (tmp_path / "o").exists()
     assert (converted / GGUF_RECORD).is_file()
+
+
+def test_the_cache_lock_serialises_converters_and_a_failed_one_leaves_no_file(tmp_path):
+    import threading
+    import time
+
+    from zcvae.backbone.convert import _file_lock
+
+    lock, order = tmp_path / "gguf" / "0123.lock", []
+
+    def second_converter():
+        with _file_lock(lock):
+            order.append("second")
+
+    with _file_lock(lock):
+        waiter = threading.Thread(target=second_converter)
+        waiter.start()
+        time.sleep(0.3)
+        order.append("first")
+    waiter.join(timeout=10)
+    assert order == ["first", "second"]
+    with pytest.raises(RuntimeError, match="conversion failed"), _file_lock(lock):
+        raise RuntimeError("conversion failed")
+    assert not lock.exists()
+    (tmp_path / "file").write_text("")  # a file where the cache directory should be
+    with pytest.raises(ValueError, match="GGUF cache .* is not writable: .*ZCVAE_CACHE"), _file_lock(tmp_path / "file" / "x.lock"):
+        pass
