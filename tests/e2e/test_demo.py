@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from zcvae.commands.demo import QUICK_DEMO_THREADS
+from zcvae.commands.demo import DEMO_THREADS
 
 from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
 
@@ -64,7 +64,7 @@ def test_the_demo_prints_the_same_table_whatever_thread_count_it_is_given(quick_
     for run in (tmp_path / "demo" / "runs").iterdir():
         threads = {json.loads(line).get("num_threads") for line in (run / "metrics.jsonl").read_text().splitlines()} - {None}
         record = json.loads((run / "run_config.json").read_text())
-        assert record["cpu"]["num_threads"] == QUICK_DEMO_THREADS["run"] and not threads - {QUICK_DEMO_THREADS["run"]}, (threads, record["cpu"])
+        assert record["cpu"]["num_threads"] == DEMO_THREADS["run"] and not threads - {DEMO_THREADS["run"]}, (threads, record["cpu"])
 
 
 def test_demo_backbone_runs_the_entangled_stage_then_the_arms_and_resumes(cli, raw_tiny_backbone, tmp_path):

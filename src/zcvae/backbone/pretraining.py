@@ -268,8 +268,7 @@ def _train(config: PretrainConfig, stage: _Stage, *, engine, groups, micro_batch
                             max_grad_norm=config.grad_clip if config.grad_clip > 0 else None,
                             progress_bar=config.progress_bar, run_name=f"pretrain {run_dir.name}")
     objective = SpanNLLObjective(engine=engine, train_all=train_all, tokens=stage.tokens, seed=config.seed,
-                                 z_template_share=config.z_template_share, global_batch=global_batch,
-                                 slot_hint_share=config.slot_hint_share)
+                                 z_template_share=config.z_template_share, global_batch=global_batch)
     train_start, train_cpu_start = time.perf_counter(), time.process_time()
     run_loop(engine=engine, objective=objective, settings=settings, num_examples=len(stage.train),
              peak_lrs=[g["lr"] for g in groups], group_names=[g["name"] for g in groups],

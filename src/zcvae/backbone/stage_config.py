@@ -68,11 +68,6 @@ class PretrainConfig(StrictDataclass):
     """Validation examples (generated, or held out of ``train_data`` when there is no ``val_data``)."""
     z_template_share: float = 0.5
     """Share of training rows in the z-shaped template with ``<znull>`` in the slot."""
-    slot_hint_share: float = 0.0
-    """Share of the z-shaped rows whose slot holds one of the row's own y tokens (drawn uniformly) instead of
-    ``<znull>``: the stage then learns to read the slot, the only way a discrete z reaches the decoder
-    (``zcvae.backbone.stage_data.hint_slots``). 0: the slot always holds ``<znull>``. Changes nothing in the
-    z-free template, the reference's."""
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -165,10 +160,6 @@ class PretrainConfig(StrictDataclass):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if not 0.0 <= self.z_template_share <= 1.0:
             raise ValueError(f"z_template_share must be in [0, 1], got {self.z_template_share!r}")
-        if not 0.0 <= self.slot_hint_share <= 1.0:
-            raise ValueError(f"slot_hint_share must be in [0, 1], got {self.slot_hint_share!r}")
-        if self.slot_hint_share > 0 and self.z_template_share == 0:
-            raise ValueError("slot_hint_share needs z-shaped rows: z_template_share is 0")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
         if (self.hidden_size // self.num_heads) % 2:

@@ -5,7 +5,6 @@ Two templates are mixed (``z_template_share`` of the rows, drawn per row and per
 
     <bos> <x> {x} </x> <y> {y} </y> <eos>                       z-free: the reference's input
     <bos> <x> {x} </x> <z> <znull> </z> <y> {y} </y> <eos>      z-shaped, <znull> in the slot
-    <bos> <x> {x} </x> <z> {y_j} </z> <y> {y} </y> <eos>        z-shaped with a slot hint (slot_hint_share of them)
 
 Shape legend: B batch, T sequence length, V vocabulary.
 """
@@ -147,24 +146,6 @@ def validation_targets(task, tokenizer, val_examples, val: list[EncodedExample])
     return floor, decision_pos
 
 
-def hint_slots(ids_BT: torch.Tensor, hint_B: torch.Tensor, pick_B: torch.Tensor, *, slot_B: torch.Tensor,
-               y_start_B: torch.Tensor, num_y_B: torch.Tensor) -> torch.Tensor:
-    """``ids_BT`` with the slot of each row where ``hint_B`` holding its own y token at ``floor(pick_B * num_y)``
-    (``pick_B`` uniform in [0, 1)). Rows without a hint, or with an empty y, are returned as they were.
-
-    Why: the stage only ever saw ``<znull>`` in the slot, so its decoder learns to ignore the slot, and a CVAE
-    run on it must first open that channel through LoRA before z can change a prediction (bench/z_channel.py
-    measures it; on ``add`` and ``search`` the decoder read z only after the KL delay of a 300-step run had ended).
-    A token of y in the slot, at a place chosen without labels, is information about y that the stage can use
-    only by reading the slot, so it learns to."""
-    out = ids_BT.clone()
-    rows = torch.nonzero(hint_B & (num_y_B > 0)).flatten()
-    if len(rows):
-        j = (pick_B[rows] * num_y_B[rows]).long().clamp_max(num_y_B[rows] - 1)
-        out[rows, slot_B[rows]] = ids_BT[rows, y_start_B[rows] + j]
-    return out
-
-
 class SpanNLLObjective:
     """The entangled stage's objective for ``zcvae.loop.driver.run_loop``: z-free mean token NLL over the
     supervised span (y and ``</y>``) of the two-template mix, over the global batch's tokens.
@@ -172,10 +153,9 @@ class SpanNLLObjective:
     Each row's template is drawn from (seed, step, its place in the global batch), so every world size
     and accumulation draws the same mix."""
 
-    def __init__(self, *, engine, train_all: Batch, tokens: TemplateTokens, seed: int, z_template_share: float, global_batch: int,
-                 slot_hint_share: float = 0.0):
+    def __init__(self, *, engine, train_all: Batch, tokens: TemplateTokens, seed: int, z_template_share: float, global_batch: int):
         self.engine, self.train_all, self.tokens = engine, train_all, tokens
-        self.seed, self.share, self.global_batch, self.hint_share = seed, z_template_share, global_batch, slot_hint_share
+        self.seed, self.share, self.global_batch = seed, z_template_share, global_batch
         self.num_tokens = 0.0  # this rank's input tokens so far (train_tokens_per_s)
 
     def begin_step(self, step: int) -> None:
@@ -184,19 +164,10 @@ class SpanNLLObjective:
     def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list:
         digest = hashlib.sha256(f"zcvae pretrain templates {self.seed} {step}".encode()).digest()
         draws = torch.rand(self.global_batch, generator=torch.Generator().manual_seed(int.from_bytes(digest[:8], "little")))
-        if self.hint_share:  # drawn after the templates' draws, so a stage without hints draws exactly as before
-            gen = torch.Generator().manual_seed(int.from_bytes(digest[8:16], "little"))
-            hint_draws, picks = torch.rand(self.global_batch, generator=gen), torch.rand(self.global_batch, generator=gen)
         out = []
         for rows, places in zip(micro, positions):
             use_z_B = draws[places] < self.share
-            batch = self.train_all.select(rows)
-            ids_BT, mask_BT, labels_BT = mix_templates(batch, use_z_B, pad_id=self.tokens.pad)
-            if self.hint_share:  # y starts after the slot, </z> and <y> (TemplateLayout.zcond_y_start); n_i counts </y>
-                ids_BT = hint_slots(ids_BT, use_z_B & (hint_draws[places] < self.hint_share), picks[places],
-                                    slot_B=batch.z_slot_start, y_start_B=batch.z_slot_start + batch.num_z_slots + 2,
-                                    num_y_B=batch.num_supervised - 1)
-            out.append(tuple(t.to(self.engine.device) for t in (ids_BT, mask_BT, labels_BT)))
+            out.append(tuple(t.to(self.engine.device) for t in mix_templates(self.train_all.select(rows), use_z_B, pad_id=self.tokens.pad)))
         return out
 
     def counts(self, batches) -> list[float]:

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from zcvae.backbone.pretraining import _write_checkpoint, pretrain
 from zcvae.backbone.stage_config import CHECKPOINT_FILES, SUMMARY_FILE, PretrainConfig, is_pretrained
-from zcvae.backbone.stage_data import hint_slots, mix_templates, span_nll
+from zcvae.backbone.stage_data import mix_templates, span_nll
 from zcvae.backbone.stage_eval import evaluate_nll
 from zcvae.backbone.stage_model import tiny_llama_config
 from zcvae.core.schedule import lr_multiplier
@@ -187,28 +187,6 @@ def test_mix_templates_keeps_the_span_and_picks_rows():
     for i in range(3):
         assert labels[i][labels[i] != IGNORE_INDEX].tolist() == [*encoded[i].y_ids, tokens.y_close]
         assert int(mask[i].sum()) == len(encoded[i].x_ids) + len(encoded[i].y_ids) + 6 + 3 * bool(use_z[i])
-
-
-def test_slot_hints_put_one_of_the_rows_own_y_tokens_in_the_slot_and_change_nothing_else():
-    tokenizer = build_tokenizer()
-    tokens = prepare_tokenizer(tokenizer, num_latents=0)
-    exs = [Example(id="a", x="1 2", y="fwd 1 2 ."), Example(id="b", x="3 1 4", y="rev 4 1 3 = 3 1 4 ."), Example(id="c", x="5", y="fwd 5 .")]
-    encoded, _ = encode_examples(exs, tokenizer, tokens, max_length=32, num_z_slots=1)
-    batch = collate(encoded, tokens)
-    use_z = torch.tensor([True, True, False])
-    ids, mask, labels = mix_templates(batch, use_z, pad_id=tokens.pad)
-    # row 0: the first y token; row 1: its last (pick just under 1); row 2 is z-free: the objective never hints it
-    hinted = hint_slots(ids, use_z, torch.tensor([0.0, 0.999, 0.5]), slot_B=batch.z_slot_start,
-                        y_start_B=batch.z_slot_start + 3, num_y_B=batch.num_supervised - 1)
-    slot = batch.z_slot_start
-    assert ids[0, slot[0]] == ids[1, slot[1]] == tokens.znull
-    assert hinted[0, slot[0]] == encoded[0].y_ids[0] and hinted[1, slot[1]] == encoded[1].y_ids[-1]
-    assert torch.equal(hinted[2], ids[2])
-    changed = (hinted != ids).nonzero().tolist()
-    assert changed == [[0, int(slot[0])], [1, int(slot[1])]]  # the slots, nothing else
-    # no hint asked: the same ids
-    assert torch.equal(hint_slots(ids, torch.zeros(3, dtype=torch.bool), torch.rand(3), slot_B=slot, y_start_B=slot + 3,
-                                  num_y_B=batch.num_supervised - 1), ids)
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
