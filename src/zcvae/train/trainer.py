@@ -207,6 +207,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
         cfg, engine=engine, model=model, backbone=data.backbone, train=train_enc, val=val_enc, passes=passes, log=say, phases=phases
     )
     data.health.check_c_base(reference.c_base, val=val_enc, examples=data.splits.val, task=data.splits.task, log=say)  # warns only
+    data.health.check_weights(reference.degenerate_weights, log=say)  # warns only: examples whose b leaves pi (nearly) uniform
 
     # 5. resume (or not), then run_config.json
     with phases.phase("resuming from the checkpoint" if cfg.run.resume is not None else "opening the checkpoints"):
