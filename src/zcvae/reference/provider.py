@@ -59,7 +59,8 @@ class ReferenceProvider:
     ) -> "ReferenceProvider":
         """Choose the policy, build or load the stores, and resolve c_base (collective: call on every rank).
 
-        Reads from ``cfg``: reference_policy (auto | online | precomputed), reference_cache_dir,
+        Reads from ``cfg``: reference_policy (auto | online | precomputed; auto is online when
+        reference_refresh_every is set), reference_cache_dir,
         reconstruction_loss_token_aggregation_mode, zfree_reference_scale, micro_batch_size (the batch
         size of the reference pass), precision and seed (fingerprint extras: they change b or the new
         marker rows the reference reads). ``model`` provides ``tokens`` and ``tokenizer``; ``engine``
@@ -75,7 +76,8 @@ class ReferenceProvider:
         mode = cfg.objective.reconstruction_loss_token_aggregation_mode
         policy = cfg.objective.reference_policy
         if policy == "auto":
-            policy = default_policy(passes)
+            # a reference that follows the model changes b at every refresh: only online can follow it
+            policy = "online" if cfg.objective.reference_refresh_every else default_policy(passes)
         if policy not in POLICIES:
             raise ValueError(f"reference_policy must be one of {('auto', *POLICIES)}, got {cfg.objective.reference_policy!r}")
         try:
@@ -141,7 +143,9 @@ class ReferenceProvider:
             mode=mode, fingerprint=fps["validation"].digest, stored=stored_c_base,
             user_value=cfg.objective.zfree_reference_scale, recompute=recompute,
         )
-        log(f"[reference] policy {policy}; c_base[{mode}] = {c_base.value:.6g} ({c_base.source})")
+        follows = (f"; follows the trained adapter every {cfg.objective.reference_refresh_every} steps (c_base stays this value)"
+                   if cfg.objective.reference_refresh_every else "")
+        log(f"[reference] policy {policy}; c_base[{mode}] = {c_base.value:.6g} ({c_base.source}){follows}")
         return cls(policy=policy, c_base=c_base, fingerprints={k: v.digest for k, v in fps.items()}, store=store,
                    degenerate_weights=found[0] if found else None)
 
