@@ -94,6 +94,7 @@ class ObjectiveSection(StrictDataclass):
     zfree_reference_scale: float | None = _f(None, "Fixed c_base; when omitted it is the validation mean of A_mode(b_i) in the selected mode.")
     reference_policy: str = _f("auto", "z-free reference: online (a forward per batch), precomputed (a store), auto (precomputed when data is seen more than once).", choices=("auto", "online", "precomputed"))
     reference_cache_dir: str | None = _f(None, "Directory of precomputed reference stores (default ~/.cache/zcvae/reference).")
+    reference_refresh_every: int = _f(0, "The dynamic reference: every N optimizer steps, copy the trained adapter (LoRA and trainable tokens) into a second, frozen adapter that the reference pass runs instead of the adapters-disabled backbone, so that b, and with it the token weights, follow the model (docs/objective.md#the-following-reference). 0: off, the frozen reference. c_base stays the setup value. Needs reference-policy online or auto (a store would be stale) and --engine local.")
     kl_weight: float = _f(1.0, "beta, the final weight of KL(q || p).")
     kl_weight_scale: str = _f("none", "none, or tokens: beta is multiplied by the validation mean of n_i (supervised tokens per example), the explicit beta control for sum aggregation (docs/objective.md).", choices=("none", "tokens"))
     kl_weight_factor: float | None = _f(None, "The multiplier of beta that kl-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
@@ -609,6 +610,15 @@ def validate(config: TrainConfig) -> None:
     if cfg.reconstruction_weight_scale == "none" and cfg.reconstruction_weight_factor not in (None, 1.0):
         raise ValueError(f"reconstruction_weight_factor is {cfg.reconstruction_weight_factor} but reconstruction_weight_scale is none "
                          f"(set reconstruction_weight_scale tokens or drop the factor)")
+    if cfg.reference_refresh_every < 0:
+        raise ValueError(f"reference_refresh_every must be >= 0 (0: off), got {cfg.reference_refresh_every}")
+    if cfg.reference_refresh_every and cfg.reference_policy == "precomputed":
+        raise ValueError(f"reference_refresh_every {cfg.reference_refresh_every} needs reference_policy online or auto: a precomputed "
+                         f"store holds the b of the setup's reference and would be stale after the first refresh")
+    if cfg.reference_refresh_every and cfg.engine != "local":
+        # the copy runs on whole tensors; a second adapter's shards under ZeRO-3/FSDP2 are not built or tested
+        raise ValueError(f"reference_refresh_every needs engine local (one process or DDP), got engine {cfg.engine!r}: the copy of "
+                         f"the adapter into the reference runs on whole tensors, and ZeRO-3/FSDP2 hold shards")
     if cfg.grad_probe_every < 0:
         raise ValueError(f"grad_probe_every must be >= 0 (0: off), got {cfg.grad_probe_every}")
     if cfg.grad_probe_every and cfg.engine != "local":

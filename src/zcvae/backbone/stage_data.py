@@ -193,6 +193,9 @@ class SpanNLLObjective:
     def state_dict(self) -> dict:
         return {}  # a pure function of (seed, step): nothing to keep besides the weights
 
+    def state_tensors(self) -> dict:
+        return {}
+
     def window_metrics(self) -> dict[str, float]:
         return {}
 

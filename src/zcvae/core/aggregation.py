@@ -28,7 +28,8 @@ redistribute its n_i tokens' share of the global batch, and alpha = 0 gives A_to
 Token weights, from the frozen z-free reference NLL b (clamped at 0, detached):
     pi_it  = b_it^alpha / sum_s b_is^alpha       (surprisal share; alpha = 0 uniform, 0^0 = 1)
     rho_it ~ (b_it + epsilon)^(-alpha), normalised over S_i
-An example whose b is 0 on every supervised token is *degenerate*: pi is uniform there.
+An example whose b is 0 on every supervised token is *degenerate*: pi is uniform there. One whose
+largest b is below ``NEARLY_DEGENERATE_MAX_SURPRISAL`` is *nearly degenerate* (:func:`reference_degeneracy`).
 """
 
 from __future__ import annotations
@@ -41,17 +42,26 @@ from zcvae.core.nll import compute_dtype
 
 __all__ = [
     "AGGREGATION_MODES",
+    "NEARLY_DEGENERATE_MAX_SURPRISAL",
     "aggregate",
     "base_loss",
     "inverse_surprisal_weights",
     "is_real_number",
     "masked",
+    "reference_degeneracy",
     "reference_nll",
     "surprisal_share_weights",
     "weighted_aggregate",
 ]
 
 AGGREGATION_MODES = ("mean", "sum", "token")
+
+NEARLY_DEGENERATE_MAX_SURPRISAL = 0.01
+"""Nats. An example whose every supervised token has b_t below this is nearly degenerate: the reference
+gives each of its tokens a probability above e^-0.01 ~ 0.99, so no token is a choice it still sees as
+open (the notes' "b_t ~ 0 for all t": no token-level strategy ambiguity left). A two-way decision costs
+log 2 ~ 0.69 nats, and even the likely side of a 99:1 one costs 0.01; the entangled tiny backbones'
+smallest max_t b_t is about 0.7 nats. pi then follows differences among near-certain tokens, not a decision."""
 
 
 def is_real_number(value: Any) -> bool:
@@ -158,12 +168,34 @@ def surprisal_share_weights(
     _check_alpha(alpha)
     b_BN = reference_nll(ref_nll_BN, mask_BN, compute_dtype(ref_nll_BN.dtype))
     # Powers of b / max(b) instead of b: same pi, but b^alpha cannot overflow for large alpha.
-    b_max_B1 = b_BN.amax(dim=-1, keepdim=True) if b_BN.shape[-1] > 0 else b_BN.sum(dim=-1, keepdim=True)
+    b_max_B1 = _max_reference_nll(b_BN)[..., None]
     ratio_BN = b_BN / torch.where(b_max_B1 > 0, b_max_B1, torch.ones_like(b_max_B1))
     pi_BN = _normalise(ratio_BN.pow(alpha), mask_BN)
-    degenerate_B = mask_BN.any(dim=-1) & (b_max_B1.squeeze(-1) <= 0)
+    degenerate_B = _degenerate(mask_BN, b_max_B1.squeeze(-1))
     pi_BN = torch.where(degenerate_B[..., None], _uniform(mask_BN, pi_BN.dtype), pi_BN)
     return pi_BN, degenerate_B
+
+
+def _max_reference_nll(b_BN: torch.Tensor) -> torch.Tensor:
+    """max_t b_t -> [B] over a clamped, masked b (0 on rows without active tokens; amax fails on N = 0)."""
+    return b_BN.amax(dim=-1) if b_BN.shape[-1] > 0 else b_BN.sum(dim=-1)
+
+
+def _degenerate(mask_BN: torch.Tensor, b_max_B: torch.Tensor) -> torch.Tensor:
+    return mask_BN.any(dim=-1) & (b_max_B <= 0)
+
+
+def reference_degeneracy(ref_nll_BN: torch.Tensor, mask_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (degenerate_B, nearly_degenerate_B), bool, from the reference NLL (clamped at 0, as pi reads it).
+
+    degenerate: active tokens, b = 0 on all of them (pi uniform, as ``surprisal_share_weights`` marks);
+    nearly degenerate: active tokens, 0 < max_t b_t < ``NEARLY_DEGENERATE_MAX_SURPRISAL`` (the two are
+    disjoint). Rows without active tokens are neither.
+    """
+    b_max_B = _max_reference_nll(reference_nll(ref_nll_BN, mask_BN, compute_dtype(ref_nll_BN.dtype)))
+    degenerate_B = _degenerate(mask_BN, b_max_B)
+    nearly_B = mask_BN.any(dim=-1) & (b_max_B > 0) & (b_max_B < NEARLY_DEGENERATE_MAX_SURPRISAL)
+    return degenerate_B, nearly_B
 
 
 def inverse_surprisal_weights(

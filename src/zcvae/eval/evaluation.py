@@ -288,10 +288,11 @@ def evaluate_run(
     record = read_run_record(run_dir)
     # The local engine: whatever engine the run used, evaluation needs only its forwards (no backward, so
     # no activation checkpointing); and the online reference, as a store would also compute b of every
-    # training example.
+    # training example. The frozen reference even for a run whose reference followed the model: its copy of
+    # the adapter is in no export (docs/objective.md, "The following reference").
     cfg = TrainConfig.from_dict(dict(record["config"]), source=str(record_path)).replace(
         engine="local", deepspeed_config=None, cpu_offload=False, precision="fp32", gradient_checkpointing=False,
-        reference_policy="online")
+        reference_policy="online", reference_refresh_every=0)
 
     ckpt = newest_checkpoint(run_dir, checkpoint)
     step = int(read_meta(ckpt).get("step", cfg.optimization.max_steps))

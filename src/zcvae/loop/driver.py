@@ -93,6 +93,9 @@ class Objective(Protocol):
     def state_dict(self) -> dict:
         """What the checkpoint keeps of the objective besides the weights (plain types; {} for none)."""
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors the checkpoint keeps of the objective besides the trained weights (the same on every rank; {} for none)."""
+
     def window_metrics(self) -> dict[str, float]: ...
 
     def postfix(self, metrics: dict[str, float]) -> dict[str, str]: ...
@@ -186,7 +189,8 @@ def run_loop(
         stop = (verdict == "stop" or stopped_in_eval is not None) and done != s.max_steps  # preempted: save here, then end
         if (s.save_every and done % s.save_every == 0 and done != s.max_steps) or stop:
             check_finite_weights(engine, step=done)
-            checkpoints.save(engine, step=done, **checkpoint_state, trainer_state=objective.state_dict())
+            checkpoints.save(engine, step=done, **checkpoint_state, trainer_state=objective.state_dict(),
+                             trainer_tensors=objective.state_tensors())
         if stop:
             progress.close()
             logger.close()
@@ -197,5 +201,6 @@ def run_loop(
 
     check_finite_weights(engine, step=s.max_steps)
     final = evaluate(s.max_steps)
-    checkpoints.save(engine, step=s.max_steps, **checkpoint_state, trainer_state=objective.state_dict())
+    checkpoints.save(engine, step=s.max_steps, **checkpoint_state, trainer_state=objective.state_dict(),
+                     trainer_tensors=objective.state_tensors())
     return final

@@ -2,7 +2,9 @@
 
 One method per pass, each with one return type:
 
-    reference(batch)      frozen backbone (adapters disabled), z-free template -> (ref_nll_BN, mask_BN)
+    reference(batch)      frozen backbone (adapters disabled), z-free template -> (ref_nll_BN, mask_BN);
+                          after ``add_reference_adapter``, the reference adapter instead (a copy of the
+                          trained adapter that ``refresh_reference`` renews: the dynamic reference)
     train_forward(batch)  router pass + all K branches (discrete) or S samples (Gaussian) -> CVAEOutput
     encode(batch)         router pass only (posterior/prior, z-free adapted NLL) -> CVAEOutput without branches
     decode(input_ids=...) next-token logits at the last non-pad position of given rows -> logits_RV
@@ -51,9 +53,11 @@ from zcvae.model.config import POSTERIOR_POOLING, ModelConfig
 from zcvae.model.decoding import KVCache
 from zcvae.templates import Batch, TemplateTokens
 
-__all__ = ["CVAEOutput", "MODES", "ZCVAE", "posterior_state"]
+__all__ = ["CVAEOutput", "MODES", "REFERENCE_ADAPTER", "ZCVAE", "posterior_state"]
 
 MODES = ("reference", "train", "encode", "decode", "calibrate")
+# the peft adapter that holds the following reference's copy of the trained adapter (docs/objective.md#the-following-reference)
+REFERENCE_ADAPTER = "reference"
 # float32 logits per chunk of the supervised-token NLL (64 MiB): 341 tokens at V = 49k, 128 at V = 128k
 LOGIT_CHUNK_ELEMENTS = 1 << 24
 
@@ -285,15 +289,58 @@ class ZCVAE(nn.Module):
         return {"reference": self.reference, "train": self.train_forward, "encode": self.encode}[mode](batch, **kw)
 
     def reference(self, batch: Batch, *, n_span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The frozen backbone's token NLL on the z-free template -> (ref_nll_BN, mask_BN).
+        """The reference's token NLL on the z-free template -> (ref_nll_BN, mask_BN): the frozen backbone
+        (adapters disabled), or, after :meth:`add_reference_adapter`, the reference adapter's copy of the
+        trained one.
 
         ``n_span`` (default: max n_i of the batch, one host sync) fixes N."""
         n_span = self._check_batch(batch, n_span)
-        # no_grad, never inference_mode: inference tensors cannot mix with a sharded training graph.
         # Adapters off also disables the trainable z rows; harmless, the z-free template has no z token.
-        with torch.no_grad(), hf_compat.adapters_disabled(self.peft_model):
+        adapter = (hf_compat.adapter_active(self.peft_model, REFERENCE_ADAPTER) if self.follows_reference
+                   else hf_compat.adapters_disabled(self.peft_model))
+        # no_grad, never inference_mode: inference tensors cannot mix with a sharded training graph.
+        with torch.no_grad(), adapter:
             out = self._lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
             return self._span_nll(out, batch.labels, n_span=n_span)  # (B, N), (B, N)
+
+    # ------------------------------------------------------------------------------------------
+    # The following reference (--reference-refresh-every)
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def follows_reference(self) -> bool:
+        """Whether the reference pass runs the reference adapter (else the adapters are disabled)."""
+        return hf_compat.has_adapter(self.peft_model, REFERENCE_ADAPTER)
+
+    def add_reference_adapter(self) -> None:
+        """Give the reference its own adapter, a frozen copy of the trained one (LoRA and trainable tokens),
+        that :meth:`refresh_reference` renews. Call before an engine wraps the model (the engine then
+        moves it with the rest); a sharded build is refused (its adapters are shards)."""
+        if self.sharded:
+            raise ValueError("a following reference (reference_refresh_every) needs a replicated model: "
+                             "this one was built for sharding (ZeRO-3 or FSDP2)")
+        if not self.follows_reference:
+            hf_compat.add_adapter_copy(self.peft_model, REFERENCE_ADAPTER)
+
+    def refresh_reference(self) -> None:
+        """Copy the trained adapter into the reference adapter (every rank: the copies stay equal)."""
+        hf_compat.copy_adapter(self.peft_model, target=REFERENCE_ADAPTER)
+
+    def reference_state(self) -> dict[str, torch.Tensor]:
+        """The reference adapter's weights (CPU copies), for a checkpoint; {} without one."""
+        if not self.follows_reference:
+            return {}
+        return {k: p.detach().to("cpu", copy=True) for k, p in hf_compat.adapter_parameters(self.peft_model, REFERENCE_ADAPTER).items()}
+
+    @torch.no_grad()
+    def load_reference_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`reference_state` returned; ValueError when it does not fit this model."""
+        params = hf_compat.adapter_parameters(self.peft_model, REFERENCE_ADAPTER)
+        if state.keys() != params.keys():
+            raise ValueError(f"the checkpoint's reference adapter does not fit the model: "
+                             f"{sorted(state.keys() ^ params.keys())[:4]}")
+        for key, param in params.items():
+            param.copy_(state[key])
 
     def encode(self, batch: Batch, *, n_span: int | None = None) -> CVAEOutput:
         """The router pass only: posterior, prior, KL and the adapted z-free NLL; no branch fields."""
@@ -624,7 +671,8 @@ class ZCVAE(nn.Module):
 
     def _latent_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """z rows (peft's trainable-token delta) + router/prior heads + projection, in a fixed order."""
-        out = [(n, p) for n, p in self.named_parameters() if hf_compat.TRAINABLE_TOKENS_DELTA in n]
+        reference = {id(p) for p in hf_compat.adapter_parameters(self.peft_model, REFERENCE_ADAPTER).values()}
+        out = [(n, p) for n, p in self.named_parameters() if hf_compat.TRAINABLE_TOKENS_DELTA in n and id(p) not in reference]
         out += [(f"router.{n}", p) for n, p in self.router.named_parameters()]
         if self.projection is not None:
             out += [(f"projection.{n}", p) for n, p in self.projection.named_parameters()]

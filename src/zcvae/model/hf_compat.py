@@ -6,6 +6,11 @@ first, with a message naming the upstream assumption. What is relied on:
 peft
     ``BaseTunerLayer._disable_adapters``: the per-layer flag that makes a LoRA / trainable-token layer
     pass its input through (``adapters_disabled``).
+    ``BaseTunerLayer._active_adapter`` (the per-layer list of adapters a forward applies) and
+    ``adapter_layer_names`` (the attributes holding each adapter's weights, keyed by adapter name: LoRA's
+    ``lora_A``/``lora_B``, the trainable tokens' delta); ``PeftModel.add_adapter``, which draws the new
+    LoRA A from the global RNG and leaves the new adapter frozen and inactive; ``peft_config`` keyed by
+    adapter name (``add_adapter_copy``, ``adapter_parameters``, ``adapter_active``, ``has_adapter``).
     ``trainable_tokens_delta``: the name of the parameter that holds the trained rows of a
     ``trainable_token_indices`` layer (``TRAINABLE_TOKENS_DELTA``), its ``trainable_tokens_original``
     buffer, ``token_indices`` and ``get_base_layer()`` (``token_adapter_rows``).
@@ -48,8 +53,13 @@ from torch import nn
 
 __all__ = [
     "TRAINABLE_TOKENS_DELTA",
+    "adapter_active",
     "adapter_config",
+    "adapter_parameters",
     "adapters_disabled",
+    "add_adapter_copy",
+    "copy_adapter",
+    "has_adapter",
     "cache_kwarg",
     "cache_through_checkpointing",
     "checkpointing_layers",
@@ -95,6 +105,82 @@ def adapters_disabled(peft_model: nn.Module) -> Iterator[None]:
     finally:
         for m, flag in zip(layers, previous):
             m._disable_adapters = flag
+
+
+@contextlib.contextmanager
+def adapter_active(peft_model: nn.Module, adapter: str) -> Iterator[None]:
+    """Run with adapter ``adapter`` instead of the active one in every peft tuner layer.
+
+    Like ``adapters_disabled``, it flips only the layers' ``_active_adapter`` and never ``requires_grad``
+    (peft's ``set_adapter`` marks the active adapter trainable and the others frozen)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer)]
+    previous = [m._active_adapter for m in layers]
+    for m in layers:
+        m._active_adapter = [adapter]
+    try:
+        yield
+    finally:
+        for m, active in zip(layers, previous):
+            m._active_adapter = active
+
+
+def adapter_parameters(peft_model: nn.Module, adapter: str) -> dict[str, nn.Parameter]:
+    """Every weight of adapter ``adapter`` (LoRA A and B, trainable-token deltas), keyed by a name that
+    leaves the adapter out (``<layer>.<attribute>[.<parameter>]``), so two adapters' keys match. A
+    delta shared by a tied head and its embedding appears once."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for module_name, module in peft_model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for attr in module.adapter_layer_names:
+            holder = getattr(module, attr, None)
+            if holder is None or adapter not in holder:
+                continue
+            item = holder[adapter]
+            named = [(f"{module_name}.{attr}", item)] if isinstance(item, nn.Parameter) else \
+                [(f"{module_name}.{attr}.{n}", p) for n, p in item.named_parameters()]
+            for key, param in named:
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    out[key] = param
+    return out
+
+
+def has_adapter(peft_model: nn.Module, adapter: str) -> bool:
+    """Whether ``peft_model`` holds an adapter named ``adapter``."""
+    return adapter in peft_model.peft_config
+
+
+@torch.no_grad()
+def copy_adapter(peft_model: nn.Module, *, target: str, source: str | None = None) -> None:
+    """Overwrite adapter ``target``'s weights with adapter ``source``'s (default: the active, trained one),
+    in place (same config, same shapes)."""
+    source = peft_model.active_adapter if source is None else source
+    src, dst = adapter_parameters(peft_model, source), adapter_parameters(peft_model, target)
+    if src.keys() != dst.keys():
+        raise RuntimeError(f"adapters {source!r} and {target!r} differ in their weights: {sorted(src.keys() ^ dst.keys())[:4]}")
+    for key, param in dst.items():
+        param.copy_(src[key])
+
+
+def add_adapter_copy(peft_model: nn.Module, adapter: str) -> None:
+    """A second adapter ``adapter``: the active adapter's config with LoRA dropout 0 (it only scores: a
+    dropout would make its NLL random), its weights a copy of the active adapter's, frozen and inactive.
+
+    peft draws the new LoRA A from the global RNG (on the CPU, where the layers are built before an
+    engine moves them); the draw is forked off, so adding the copy changes no later random number."""
+    import copy
+
+    config = copy.deepcopy(adapter_config(peft_model))
+    config.lora_dropout = 0.0
+    with torch.random.fork_rng(devices=[]):
+        peft_model.add_adapter(adapter, config)
+    copy_adapter(peft_model, target=adapter)
 
 
 def replay_safe_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
@@ -305,7 +391,8 @@ def embedding_weight(module: nn.Module) -> torch.Tensor:
 
 
 def adapter_config(peft_model: nn.Module):
-    """The ``peft.LoraConfig`` of ``peft_model``'s active adapter (zcvae builds exactly one)."""
+    """The ``peft.LoraConfig`` of ``peft_model``'s active adapter (the trained one; a following reference
+    adds a frozen copy, ``add_adapter_copy``)."""
     return peft_model.peft_config[peft_model.active_adapter]
 
 

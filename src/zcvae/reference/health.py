@@ -23,6 +23,17 @@ initialized from the entangled checkpoint; docs/guide/backbones.md, "The referen
     format predicts its deterministic tokens (``</y>``, the format words) almost exactly; the raw
     SmolLM2 gave 3.41 nats/token on ``copy``, the entangled tiny backbone 0.066 (floor ~0.06).
 
+* **Degenerate weights.** An example whose b is 0 on every supervised token (or below
+  ``core.aggregation.NEARLY_DEGENERATE_MAX_SURPRISAL`` on all of them) gives the reference-weighted terms
+  nothing to tell its tokens apart by. :class:`DegenerateWeights` collects such examples from the b the
+  setup passes computed, and :meth:`ReferenceHealth.check_weights` warns once. Which examples that is
+  depends on the policy: ``precomputed`` has the b of every training and validation example in its
+  store; ``online`` has only the validation b of the c_base pass, because it computes a training
+  example's b in the step that trains on it (a setup pass over the training set would cost exactly the
+  store that ``online`` was chosen to avoid; the ``degenerate`` metric counts them step by step). An
+  ``online`` run whose c_base does not come from that pass (``zfree_reference_scale``, or the c_base of
+  the checkpoint it resumes) has no b at setup and is not checked; the record says so.
+
 Everything is recorded under ``reference_health`` in ``run_config.json`` (:meth:`ReferenceHealth.to_dict`).
 At the end of a run, :func:`closure_note` says so when the decoder rarely closed y
 (``closure_rate`` below :data:`MIN_CLOSURE_RATE`).
@@ -36,9 +47,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from zcvae.core.aggregation import NEARLY_DEGENERATE_MAX_SURPRISAL, reference_degeneracy
 from zcvae.templates import missing_markers
 
 __all__ = [
+    "DEGENERATE_IDS_SHOWN",
+    "DegenerateWeights",
     "FLOOR_MARGIN_PER_SEQUENCE",
     "HIGH_C_BASE_PER_TOKEN",
     "MIN_CLOSURE_RATE",
@@ -54,6 +70,9 @@ HIGH_C_BASE_PER_TOKEN = 1.0
 """Nats per supervised token above which c_base warns when the data has no known floor (user JSONL)."""
 MIN_CLOSURE_RATE = 0.5
 """A final evaluation whose decodes emit ``</y>`` less often than this says that the decoder cannot stop."""
+DEGENERATE_IDS_SHOWN = 3
+"""Example ids the degenerate-weights line names (all of them are in ``reference_health``, up to ``_IDS_RECORDED``)."""
+_IDS_RECORDED = 100  # run_config.json stays readable on a data set where every example is degenerate
 
 
 def entangled_command(cfg) -> tuple[str, str]:
@@ -74,6 +93,53 @@ def entangled_command(cfg) -> tuple[str, str]:
         parts += ["--task", cfg.data.task or DEFAULT_TASK]
     parts += ["--output-dir", out]
     return " ".join(shlex.quote(str(p)) for p in parts), out
+
+
+@dataclass
+class DegenerateWeights:
+    """The examples whose reference b leaves their token weights uniform or nearly so, among those whose b
+    a setup pass computed (``splits``). Fill with :meth:`add` per batch; ``merge`` the ranks' parts."""
+
+    splits: str
+    """Which examples' b was seen, e.g. ``"train and validation"``."""
+    num_examples: int = 0
+    """Examples with a supervised token among them."""
+    degenerate: list[str] = field(default_factory=list)
+    """Ids whose b is 0 on every supervised token (pi uniform)."""
+    nearly_degenerate: list[str] = field(default_factory=list)
+    """Ids whose b is below ``NEARLY_DEGENERATE_MAX_SURPRISAL`` on every supervised token (and not all 0)."""
+
+    def add(self, ref_nll_BN: torch.Tensor, mask_BN: torch.Tensor, ids: Sequence[str]) -> None:
+        """One batch: ``ref_nll_BN``/``mask_BN`` [B, N] left-aligned, ``ids`` the B example ids."""
+        degenerate_B, nearly_B = reference_degeneracy(ref_nll_BN, mask_BN)
+        self.num_examples += int(mask_BN.any(dim=-1).sum())
+        self.degenerate += [i for i, flag in zip(ids, degenerate_B.tolist()) if flag]
+        self.nearly_degenerate += [i for i, flag in zip(ids, nearly_B.tolist()) if flag]
+
+    @classmethod
+    def merge(cls, parts: Sequence["DegenerateWeights"]) -> "DegenerateWeights":
+        """The ranks' parts (each over its own shard) as one, ids sorted."""
+        return cls(splits=parts[0].splits, num_examples=sum(p.num_examples for p in parts),
+                   degenerate=sorted(i for p in parts for i in p.degenerate),
+                   nearly_degenerate=sorted(i for p in parts for i in p.nearly_degenerate))
+
+    def note(self) -> str | None:
+        """The ``[health]`` warning line, or None when no example is degenerate or nearly so."""
+        flagged = self.degenerate + self.nearly_degenerate
+        if not flagged:
+            return None
+        shown = ", ".join(flagged[:DEGENERATE_IDS_SHOWN]) + (" ..." if len(flagged) > DEGENERATE_IDS_SHOWN else "")
+        return (f"[health] warning: {len(flagged)} of {self.num_examples} examples ({self.splits}) have degenerate reference "
+                f"weights: {len(self.degenerate)} with b_t = 0 on every supervised token, {len(self.nearly_degenerate)} nearly so "
+                f"(every b_t < {NEARLY_DEGENERATE_MAX_SURPRISAL:g} nats, each token above 99% likely under the reference), e.g. {shown}: "
+                f"the reference-weighted terms cannot tell their tokens apart (pi falls back to uniform, tok weighs them as "
+                f"raw's mean does, and ex divides them by little more than its epsilon); use an entangled stage that has "
+                f"learned the data less perfectly (fewer steps, an earlier checkpoint), or check the data for duplicated x -> y pairs")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"splits": self.splits, "num_examples": self.num_examples, "max_surprisal": NEARLY_DEGENERATE_MAX_SURPRISAL,
+                "num_degenerate": len(self.degenerate), "num_nearly_degenerate": len(self.nearly_degenerate),
+                "degenerate": self.degenerate[:_IDS_RECORDED], "nearly_degenerate": self.nearly_degenerate[:_IDS_RECORDED]}
 
 
 @dataclass
@@ -98,6 +164,8 @@ class ReferenceHealth:
     c_base_threshold: float | None = None
     """c_base above this warns (c_base's units); see the module docstring."""
     c_base_threshold_rule: str | None = None
+    degenerate_weights: dict[str, Any] | str | None = None
+    """``DegenerateWeights.to_dict()`` of the examples checked, or why none was (``check_weights``)."""
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,6 +208,20 @@ class ReferenceHealth:
                 f"{self.entangled_command}")
         self.warnings.append(line)
         log(line)
+        return line
+
+
+    def check_weights(self, found: DegenerateWeights | None, *, log: Callable[[str], Any] = print) -> str | None:
+        """Record what the setup passes found about degenerate weights; log and return the warning, if any.
+        ``found`` None: no pass computed b at setup (the module docstring says when)."""
+        if found is None:
+            self.degenerate_weights = "not checked: no b was computed at setup (online policy, c_base not from the validation pass)"
+            return None
+        self.degenerate_weights = found.to_dict()
+        line = found.note()
+        if line is not None:
+            self.warnings.append(line)
+            log(line)
         return line
 
 

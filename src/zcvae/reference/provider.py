@@ -1,5 +1,6 @@
 """What the trainer holds: the run's reference policy, its c_base and (precomputed) the store of
-training and validation b. Shapes as in zcvae.reference.store.
+training and validation b, and which examples of those b have degenerate weights (zcvae.reference.health).
+Shapes as in zcvae.reference.store.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import Any
 import torch
 
 from zcvae.templates import Batch, EncodedExample
+from zcvae.reference.store import _all_gather  # the store's exchange of per-rank parts
 from zcvae.reference.store import POLICIES, ReferenceStore, default_policy, fingerprint_backbone, iter_reference_batches, load_or_build_reference_store, reference_fingerprint, reference_output
 from zcvae.reference.c_base import CBase, c_base_from_store, c_base_from_sum_count, c_base_sum_count, resolve_c_base
+from zcvae.reference.health import DegenerateWeights
 
 __all__ = ["ReferenceProvider"]
 
@@ -35,6 +38,9 @@ class ReferenceProvider:
     c_base: CBase
     fingerprints: dict[str, str]
     store: ReferenceStore | None = None
+    degenerate_weights: DegenerateWeights | None = None
+    """The examples whose b the setup passes computed, with those of degenerate weights; None when no pass
+    computed b (online with a c_base that is not recomputed)."""
 
     @classmethod
     def build(
@@ -53,7 +59,8 @@ class ReferenceProvider:
     ) -> "ReferenceProvider":
         """Choose the policy, build or load the stores, and resolve c_base (collective: call on every rank).
 
-        Reads from ``cfg``: reference_policy (auto | online | precomputed), reference_cache_dir,
+        Reads from ``cfg``: reference_policy (auto | online | precomputed; auto is online when
+        reference_refresh_every is set), reference_cache_dir,
         reconstruction_loss_token_aggregation_mode, zfree_reference_scale, micro_batch_size (the batch
         size of the reference pass), precision and seed (fingerprint extras: they change b or the new
         marker rows the reference reads). ``model`` provides ``tokens`` and ``tokenizer``; ``engine``
@@ -69,7 +76,8 @@ class ReferenceProvider:
         mode = cfg.objective.reconstruction_loss_token_aggregation_mode
         policy = cfg.objective.reference_policy
         if policy == "auto":
-            policy = default_policy(passes)
+            # a reference that follows the model changes b at every refresh: only online can follow it
+            policy = "online" if cfg.objective.reference_refresh_every else default_policy(passes)
         if policy not in POLICIES:
             raise ValueError(f"reference_policy must be one of {('auto', *POLICIES)}, got {cfg.objective.reference_policy!r}")
         try:
@@ -98,6 +106,7 @@ class ReferenceProvider:
             num_z_slots=cfg.slot_tokens,
         )
         store = None
+        found: list[DegenerateWeights] = []  # what the setup passes saw of degenerate weights (one entry, or none)
         if policy == "precomputed":
             stores = {}
             for split, examples in (("train", train), ("validation", val)):
@@ -105,6 +114,7 @@ class ReferenceProvider:
                     stores[split] = load_or_build_reference_store(engine.module, examples, fingerprint=fps[split], name=split,
                                                                   tick=phases.tick, **common)
             store = _merge_stores(stores["train"], stores["validation"], train, val)
+            found.append(_degenerate_weights_of(store))
 
             def recompute() -> CBase:
                 return c_base_from_store(stores["validation"], [ex.id for ex in val], mode)
@@ -114,6 +124,7 @@ class ReferenceProvider:
             def recompute() -> CBase:
                 total = torch.zeros((), dtype=torch.float64, device=info.device)
                 count = torch.zeros((), dtype=torch.float64, device=info.device)
+                seen = DegenerateWeights(splits="validation")
                 batch_size = cfg.optimization.micro_batch_size
                 batches = iter_reference_batches(val, model.tokens, batch_size=batch_size, rank=info.rank, world_size=info.world_size, num_z_slots=cfg.slot_tokens)
                 with torch.no_grad(), phases.phase("the c_base pass"):
@@ -123,15 +134,20 @@ class ReferenceProvider:
                         if keep:
                             s, c = c_base_sum_count(ref_nll_BN, mask_BN, mode)
                             total, count = total + s, count + c
+                            seen.add(ref_nll_BN, mask_BN, batch.ids)
                 total, count = engine.all_reduce(torch.stack([total, count])).tolist()
+                found.append(DegenerateWeights.merge([seen] if gather is None else _all_gather(seen, info.world_size, gather)))
                 return c_base_from_sum_count(total, count, mode=mode, fingerprint=fps["validation"].digest)
 
         c_base = resolve_c_base(
             mode=mode, fingerprint=fps["validation"].digest, stored=stored_c_base,
             user_value=cfg.objective.zfree_reference_scale, recompute=recompute,
         )
-        log(f"[reference] policy {policy}; c_base[{mode}] = {c_base.value:.6g} ({c_base.source})")
-        return cls(policy=policy, c_base=c_base, fingerprints={k: v.digest for k, v in fps.items()}, store=store)
+        follows = (f"; follows the trained adapter every {cfg.objective.reference_refresh_every} steps (c_base stays this value)"
+                   if cfg.objective.reference_refresh_every else "")
+        log(f"[reference] policy {policy}; c_base[{mode}] = {c_base.value:.6g} ({c_base.source}){follows}")
+        return cls(policy=policy, c_base=c_base, fingerprints={k: v.digest for k, v in fps.items()}, store=store,
+                   degenerate_weights=found[0] if found else None)
 
     def ref_nll(self, engine, batch: Batch) -> torch.Tensor:
         """The z-free reference NLL of ``batch``, [B, N] left-aligned (0 past each span)."""
@@ -140,6 +156,15 @@ class ReferenceProvider:
         with torch.no_grad():
             ref_nll_BN, _ = reference_output(engine.module(batch, mode="reference"))
         return ref_nll_BN
+
+
+def _degenerate_weights_of(store: ReferenceStore, *, chunk_size: int = 1024) -> DegenerateWeights:
+    """Degenerate weights over every example of ``store`` (the same on every rank: each holds the whole store)."""
+    found = DegenerateWeights(splits="train and validation")
+    for start in range(0, len(store), chunk_size):
+        ids = store.ids[start : start + chunk_size]
+        found.add(*store.lookup(ids), ids)
+    return found
 
 
 class _Silent:

@@ -11,6 +11,8 @@ Two policies give the same b (up to the float noise of a different batch composi
 ``online``
     The trainer calls ``engine.module(batch, mode="reference")`` for every micro-batch, *before* the
     training forward (ZeRO-3 ordering: the reference forward gathers the same sharded weights; docs/guide/scaling-out.md). Nothing is stored.
+    The only policy for a reference that follows the model (``reference_refresh_every``: the model's
+    copy of its adapter instead of the adapters disabled; docs/objective.md#the-following-reference).
 ``precomputed``
     b of every training and validation example is computed once by :func:`compute_reference_store`
     and kept in a :class:`ReferenceStore` keyed by example id; the trainer then calls

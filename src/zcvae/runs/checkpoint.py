@@ -8,6 +8,8 @@ Layout of one checkpoint (``RUN_DIR/checkpoints/step_00000400/``)::
                              so `zcvae export` reads any engine's run without pickle or a process group
     buffers.safetensors      the latent heads' buffers (router standardisation statistics): not
                              parameters, but the trained model needs them
+    objective.safetensors    the objective's own tensors, only when it has any (the following reference's
+                             copy of the adapter, which is frozen and so in no engine state)
     rng_rank{r}.pt           each rank's python/numpy/torch (CPU, CUDA) RNG states (weights_only-loadable)
     meta.json                step, data position, world size, engine, c_base, aggregation mode, resolved config
     COMPLETE                 written last by rank 0: a manifest of every file with its size and sha256
@@ -68,6 +70,7 @@ COMPLETE = "COMPLETE"
 META = "meta.json"
 TRAINABLE = "trainable.safetensors"
 BUFFERS = "buffers.safetensors"
+OBJECTIVE_TENSORS = "objective.safetensors"
 ENGINE_DIR = "engine"
 FORMAT_VERSION = 1
 AGGREGATION_MODE_FIELD = "reconstruction_loss_token_aggregation_mode"
@@ -115,6 +118,7 @@ OBJECTIVE_FIELDS = (
     "posterior_variance_weight",
     "num_latent_samples",
     "lora_dropout",
+    "reference_refresh_every",
 )
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -342,8 +346,12 @@ class CheckpointManager:
         return found[-1] if found else None
 
     # ---------------------------------------------------------------- save
-    def save(self, engine: Any, *, step: int, config: Any, c_base: Any, trainer_state: dict | None = None) -> Path:
+    def save(self, engine: Any, *, step: int, config: Any, c_base: Any, trainer_state: dict | None = None,
+             trainer_tensors: dict[str, torch.Tensor] | None = None) -> Path:
         """Write checkpoint ``step`` atomically; prune to the newest ``keep``; return its path.
+
+        ``trainer_state`` (plain types, into meta.json) and ``trainer_tensors`` (the same on every rank;
+        rank 0 writes them) are the objective's own state besides the weights; :meth:`load` returns both.
 
         Any failure (a full disk, a read-only mount, Ctrl-C) removes the ``.tmp`` directory on rank 0 and
         leaves the earlier checkpoints as they were; a full or read-only filesystem becomes a ValueError
@@ -353,7 +361,7 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         tmp = self.path_for(step).with_name(self.path_for(step).name + ".tmp")
         try:
-            return self._save(engine, step=step, config=config, c_base=c_base, trainer_state=trainer_state)
+            return self._save(engine, step=step, config=config, c_base=c_base, trainer_state=trainer_state, trainer_tensors=trainer_tensors)
         except BaseException as err:
             space = disk_error(err)
             # Ctrl-C and a full or read-only disk: this process lives on, so it tidies up (a crash leaves
@@ -382,7 +390,8 @@ class CheckpointManager:
         return (f"no space left on device while writing checkpoint {str(tmp)!r}{' (' + ', '.join(sizes) + ')' if sizes else ''}; "
                 f"the partial checkpoint was removed and the earlier checkpoints are intact. Free space, then resume with --resume auto")
 
-    def _save(self, engine: Any, *, step: int, config: Any, c_base: Any, trainer_state: dict | None = None) -> Path:
+    def _save(self, engine: Any, *, step: int, config: Any, c_base: Any, trainer_state: dict | None = None,
+              trainer_tensors: dict[str, torch.Tensor] | None = None) -> Path:
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
         if self.is_main:
@@ -421,6 +430,8 @@ class CheckpointManager:
             buffers = _latent_buffers(engine.model)
             if buffers:
                 save_file(buffers, str(tmp / BUFFERS))
+            if trainer_tensors:
+                save_file({k: t.detach().to("cpu").contiguous() for k, t in trainer_tensors.items()}, str(tmp / OBJECTIVE_TENSORS))
             (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
         engine.barrier()
         self._event("files_written", step)
@@ -479,12 +490,13 @@ class CheckpointManager:
         ``source``: a checkpoint directory, a run or checkpoints directory (its newest complete
         checkpoint) or ``"auto"`` (the newest one here whose files match its manifest, falling back past
         corrupt ones; a fresh start, step 0, when there is none). Returns ``{"step", "checkpoint", "meta",
-        "changes"}`` (``changes``: the objective fields ``allow_changes`` let change, see :func:`objective_changes`).
+        "changes", "trainer_tensors"}`` (``changes``: the objective fields ``allow_changes`` let change, see
+        :func:`objective_changes`; ``trainer_tensors``: what :meth:`save` was given, CPU tensors, {} for none).
         """
         if str(source) == "auto":
             path, meta = self._newest_loadable()
             if path is None:
-                return {"step": 0, "checkpoint": None, "meta": None, "changes": []}
+                return {"step": 0, "checkpoint": None, "meta": None, "changes": [], "trainer_tensors": {}}
         else:
             path = resolve_checkpoint(source, default_dir=self.directory)
             # every rank verifies, so every rank raises the same error rather than one rank hanging
@@ -510,8 +522,15 @@ class CheckpointManager:
                 raise ValueError(f"checkpoint file {str(rng)!r} could not be read: {err}") from err
         else:
             warnings.warn(f"{rng} is missing (the checkpoint was saved by {meta['world_size']} ranks): rank {engine.rank} keeps its seeded RNG state")
+        tensors = path / OBJECTIVE_TENSORS
+        try:
+            from safetensors.torch import load_file
+
+            trainer_tensors = load_file(str(tensors)) if tensors.is_file() else {}
+        except Exception as err:  # noqa: BLE001 - name the file
+            raise ValueError(f"checkpoint file {str(tensors)!r} could not be read: {err}") from err
         engine.barrier()
-        return {"step": int(meta["step"]), "checkpoint": str(path), "meta": meta, "changes": changes}
+        return {"step": int(meta["step"]), "checkpoint": str(path), "meta": meta, "changes": changes, "trainer_tensors": trainer_tensors}
 
 
 def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: dict[str, Any] | None, world_size: int, engine: Any,

@@ -78,6 +78,7 @@ ABBREVIATIONS: dict[str, str] = {
     "token_weight_alpha": "alpha",
     "example_inverse_surprisal_epsilon": "exeps",
     "inverse_surprisal_token_weight_epsilon": "tokinveps",
+    "reference_refresh_every": "refresh",
     "kl_weight": "beta",
     "kl_weight_scale": "klscale",
     "lora_learning_rate": "lr",

@@ -185,6 +185,8 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     cfg, model, train_enc, val_enc = data.cfg, data.model, data.train_enc, data.val_enc
 
     # 3. engine and optimizer (a sharded build gets its weights here); fail loudly if a latent parameter would not train
+    if cfg.objective.reference_refresh_every:
+        model.add_reference_adapter()  # the following reference's frozen copy, before the engine moves the model
     groups = model.param_groups(lora_lr=cfg.optimization.lora_learning_rate, latent_lr=cfg.optimization.latent_learning_rate, weight_decay=cfg.optimization.weight_decay)
     model.check_trainable(p for g in groups for p in g["params"])
     peak_lrs = [g["lr"] for g in groups]  # before the engine: the schedule sets each group's lr in place
@@ -207,6 +209,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
         cfg, engine=engine, model=model, backbone=data.backbone, train=train_enc, val=val_enc, passes=passes, log=say, phases=phases
     )
     data.health.check_c_base(reference.c_base, val=val_enc, examples=data.splits.val, task=data.splits.task, log=say)  # warns only
+    data.health.check_weights(reference.degenerate_weights, log=say)  # warns only: examples whose b leaves pi (nearly) uniform
 
     # 5. resume (or not), then run_config.json
     with phases.phase("resuming from the checkpoint" if cfg.run.resume is not None else "opening the checkpoints"):
@@ -227,6 +230,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     final = _run_loop(cfg, engine=engine, model=model, data=data, peak_lrs=peak_lrs,
                       group_names=[g["name"] for g in groups], reference=reference, checkpoints=checkpoints,
                       start_step=0 if state is None else state["step"], trainer_state=None if state is None else (state["meta"] or {}).get("trainer_state"),
+                      trainer_tensors={} if state is None else state.get("trainer_tensors", {}),
                       world_size=info.world_size, is_main=info.rank == 0, signals=signals, phases=phases, follower=follower, say=say)
     _finish(cfg, final, run_dir=run_dir, is_main=info.rank == 0, say=say)
     return final
@@ -337,9 +341,11 @@ def _open_checkpoints(cfg: TrainConfig, *, engine, reference, allow_changes, is_
 
 
 def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, group_names, reference, checkpoints, start_step: int,
-              trainer_state: dict | None, world_size: int, is_main: bool, signals, phases, follower, say) -> dict[str, float]:
+              trainer_state: dict | None, trainer_tensors: dict, world_size: int, is_main: bool, signals, phases, follower,
+              say) -> dict[str, float]:
     """The step loop with the CVAE objective, evaluating every ``eval_every`` steps and at the end.
-    ``trainer_state``: the objective's state saved with the resumed checkpoint (None: a fresh run, or one saved before it)."""
+    ``trainer_state``, ``trainer_tensors``: the objective's state saved with the resumed checkpoint (None and {}: a fresh
+    run, or one saved before it)."""
     from zcvae.eval.evaluation import evaluate
 
     run_dir = Path(cfg.run.output_dir)
@@ -371,7 +377,7 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
     probe = GradientProbe.for_model(model, task=data.splits.task, tokenizer=model.tokenizer) if cfg.run.grad_probe_every else None
     objective = CVAEObjective(cfg, engine=engine, model=model, train=data.train_enc, reference=reference, recon_cfg=recon_cfg,
                               probe=probe, logger=logger, val=data.val_enc, eval_at=settings.eval_at, log=say)
-    objective.load_state_dict(trainer_state)
+    objective.load_state_dict(trainer_state, tensors=trainer_tensors)
     final = run_loop(
         engine=engine, objective=objective, settings=settings, num_examples=len(data.train_enc),
         peak_lrs=peak_lrs, group_names=group_names, lr_factor=lambda step: lr_factor_at(cfg, step),
@@ -411,7 +417,8 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
 class CVAEObjective:
     """The CVAE objective of one micro-batch for ``zcvae.loop.driver.run_loop``: the z-free reference NLL, the
     model's forward, ``per_example_objective`` over the global count, the marginal/router terms (their
-    own all-reduce per global micro-batch) and the gradient probe."""
+    own all-reduce per global micro-batch) and the gradient probe; with ``reference_refresh_every`` N, the
+    reference's copy of the adapter renewed after every N-th step (and kept in the checkpoint)."""
 
     def __init__(self, cfg: TrainConfig, *, engine, model, train, reference, recon_cfg, probe, logger, val=(), eval_at=None, log=print):
         self.cfg, self.engine, self.model, self.train = cfg, engine, model, train
@@ -424,6 +431,7 @@ class CVAEObjective:
         if self.delay.evidence and (cfg.model.latent_type != "discrete" or cfg.model.num_latents < 2):
             raise ValueError("kl_delay_mode read needs a discrete latent with num_latents >= 2 (it compares the decoder across z)")
         self.eval_at, self.log = eval_at, log
+        self.refresh_every = cfg.objective.reference_refresh_every
 
     def begin_step(self, step: int) -> None:
         self.probing = self.probe is not None and (step + 1) % self.cfg.run.grad_probe_every == 0
@@ -459,6 +467,9 @@ class CVAEObjective:
         return MicroLoss(loss=loss, terms=terms, tokens=float(batch.num_supervised.sum()))
 
     def end_step(self, done: int) -> None:
+        if self.refresh_every and done % self.refresh_every == 0:
+            # after the step, before its evaluation and checkpoint: steps done+1 .. done+N read this copy
+            self.model.refresh_reference()
         if self.probing:
             self.logger.log(PROBE_SPLIT, done, self.probe.result(kl_weight=self.beta, all_reduce=self.engine.all_reduce))
         if self.delay.checks_after(done):
@@ -471,9 +482,19 @@ class CVAEObjective:
     def state_dict(self) -> dict:
         return {"kl_delay": self.delay.state_dict()} if self.delay.evidence else {}
 
-    def load_state_dict(self, state: dict | None) -> None:
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        # the reference's copy is frozen, so no engine state holds it; it is the adapter of the last refresh, not the current one
+        return self.model.reference_state() if self.refresh_every else {}
+
+    def load_state_dict(self, state: dict | None, *, tensors: dict | None = None) -> None:
         if self.delay.evidence:
             self.delay.load_state_dict((state or {}).get("kl_delay"))
+        if self.refresh_every and tensors:
+            self.model.load_reference_state(tensors)
+        elif self.refresh_every:
+            # a fresh run (a no-op: the copy was made from these weights), or a checkpoint saved without the copy
+            # (the refresh switched on at this resume, --resume-allow-change): follow the restored adapter from here
+            self.model.refresh_reference()
 
     def delay_metrics(self) -> dict[str, float]:
         """The delay's end for the final metrics and the verdict (``kl_delay/ended_at``, ``kl_delay/ended_by_read``)."""

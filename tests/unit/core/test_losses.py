@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from zcvae.core.aggregation import NEARLY_DEGENERATE_MAX_SURPRISAL, reference_degeneracy
 from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY
 from zcvae.core.losses import (
     DIAGNOSTIC_REDUCTIONS,
@@ -168,6 +169,23 @@ def test_degenerate_row_uses_uniform_weights():
     pi_BN, degenerate_B = surprisal_share_weights(b_BN, mask_BN, 2.0)
     torch.testing.assert_close(pi_BN, torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0], [0.0, 1.0, 0.0, 0.0]]))
     assert degenerate_B.tolist() == [True, False]
+
+
+def test_degenerate_and_nearly_degenerate_rows_are_told_apart_from_a_normal_one():
+    eps = NEARLY_DEGENERATE_MAX_SURPRISAL
+    b_BN = torch.tensor([
+        [0.0, -1e-7, 0.0, 9.0],          # degenerate: 0 on every active token (a rounding negative clamps to 0)
+        [0.5 * eps, 0.0, 0.9 * eps, 9.0],  # nearly degenerate: every active b below the threshold, not all 0
+        [1e-4, 0.7, 1e-4, 0.0],          # normal: one token carries a decision (~ log 2 nats)
+        [eps, 0.0, 0.0, 0.0],            # at the threshold: not nearly degenerate (strictly below only)
+        [0.0, 0.0, 0.0, 0.0],            # no active token: neither
+    ])
+    mask_BN = torch.tensor([[True, True, True, False]] * 4 + [[False] * 4])
+    degenerate_B, nearly_B = reference_degeneracy(b_BN, mask_BN)
+    assert degenerate_B.tolist() == [True, False, False, False, False]
+    assert nearly_B.tolist() == [False, True, False, False, False]
+    # one definition of "degenerate": the rows that surprisal_share_weights makes uniform
+    assert torch.equal(surprisal_share_weights(b_BN, mask_BN, 1.0)[1], degenerate_B)
 
 
 def test_empty_rows_are_zero_everywhere():

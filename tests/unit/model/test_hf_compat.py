@@ -60,6 +60,43 @@ def test_peft_tuner_layers_pass_through_when_disable_adapters_is_set(tiny_llama)
     assert {n: p.requires_grad for n, p in model.named_parameters()} == trainable, "adapters_disabled must never touch requires_grad"
 
 
+def test_a_copied_adapter_is_frozen_inactive_and_scores_as_its_source_when_active(tiny_llama):
+    ids = _ids()
+    model = _peft(tiny_llama(V), trainable_tokens=[3, 5])
+    trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+    rng = torch.get_rng_state()
+    hf_compat.add_adapter_copy(model, "twin")
+    assert torch.equal(torch.get_rng_state(), rng), "add_adapter_copy must fork peft's draw of the new LoRA A off the global RNG"
+    assert hf_compat.has_adapter(model, "twin") and not hf_compat.has_adapter(model, "other")
+    copy = hf_compat.adapter_parameters(model, "twin")
+    trained = hf_compat.adapter_parameters(model, "default")
+    assert copy.keys() == trained.keys() and any(hf_compat.TRAINABLE_TOKENS_DELTA in k for k in copy), (
+        "peft: adapter_layer_names no longer name the per-adapter weights (lora_A/lora_B, trainable_tokens_delta)"
+    )
+    assert not any(p.requires_grad for p in copy.values()), "peft: add_adapter left the new adapter trainable"
+    assert {n: p.requires_grad for n, p in model.named_parameters() if n in trainable} == trainable
+    with torch.no_grad():
+        still = model(input_ids=ids).logits
+        with hf_compat.adapter_active(model, "twin"):
+            copied = model(input_ids=ids).logits
+        for p in trained.values():
+            p.add_(0.5)  # the trained adapter moves on; the copy stays
+        with hf_compat.adapter_active(model, "twin"):
+            stale = model(input_ids=ids).logits
+        hf_compat.copy_adapter(model, target="twin")
+        with hf_compat.adapter_active(model, "twin"):
+            renewed = model(input_ids=ids).logits
+        moved = model(input_ids=ids).logits
+    assert torch.equal(still, adapted), "adding an adapter must not change what the active one computes"
+    assert torch.equal(copied, adapted), (
+        "peft: a tuner layer whose `_active_adapter` names the copy does not compute what the source adapter did"
+    )
+    assert torch.equal(stale, adapted) and torch.equal(renewed, moved) and not torch.equal(moved, adapted)
+    assert {n: p.requires_grad for n, p in model.named_parameters() if n in trainable} == trainable, "adapter_active must never touch requires_grad"
+
+
 def test_peft_names_the_trainable_token_rows_trainable_tokens_delta(tiny_llama):
     model = _peft(tiny_llama(V), trainable_tokens=[3, 5])
     names = [n for n, p in model.named_parameters() if p.requires_grad and hf_compat.TRAINABLE_TOKENS_DELTA in n]

@@ -19,8 +19,11 @@ import torch
 
 from zcvae.config import TrainConfig
 from zcvae.reference.c_base import CBase
+from zcvae.core.aggregation import NEARLY_DEGENERATE_MAX_SURPRISAL
 from zcvae.reference.health import (
+    DEGENERATE_IDS_SHOWN,
     FLOOR_MARGIN_PER_SEQUENCE,
+    DegenerateWeights,
     HIGH_C_BASE_PER_TOKEN,
     MIN_CLOSURE_RATE,
     ReferenceHealth,
@@ -145,6 +148,52 @@ def test_a_user_c_base_is_recorded_not_checked():
     assert health.check_c_base(CBase(**{**C_BASE, "value": 50.0, "source": "user"}), val=encoded, examples=raw,
                                task=None, log=lambda line: None) is None
     assert health.c_base == 50.0 and health.c_base_threshold is None and "not checked" in health.c_base_threshold_rule
+
+
+# ------------------------------------------------------------------------------------------ degenerate weights
+def _planted_b():
+    """One degenerate row, one nearly degenerate, one normal, over 3 supervised tokens each."""
+    b_BN = torch.tensor([[0.0, 0.0, 0.0], [0.002, 0.004, 0.001], [0.01, 0.69, 0.0]])
+    return b_BN, torch.ones_like(b_BN, dtype=torch.bool), ["deg", "near", "ok"]
+
+
+def test_degenerate_weights_name_the_examples_and_say_what_to_do():
+    found = DegenerateWeights(splits="train and validation")
+    found.add(*_planted_b())
+    assert (found.num_examples, found.degenerate, found.nearly_degenerate) == (3, ["deg"], ["near"])
+    lines: list[str] = []
+    health = _health()
+    line = health.check_weights(found, log=lines.append)
+    assert line is not None and lines == [line] and health.warnings == [line] and "\n" not in line
+    assert line.startswith("[health] warning: 2 of 3 examples (train and validation)")
+    assert "deg, near" in line and "ok" not in line.split("e.g.")[1].split(":")[0]
+    assert f"{NEARLY_DEGENERATE_MAX_SURPRISAL:g} nats" in line and "uniform" in line
+    assert "entangled stage" in line and "duplicated x -> y pairs" in line
+    record = json.loads(json.dumps(health.to_dict()))["degenerate_weights"]
+    assert record == {"splits": "train and validation", "num_examples": 3, "max_surprisal": NEARLY_DEGENERATE_MAX_SURPRISAL,
+                      "num_degenerate": 1, "num_nearly_degenerate": 1, "degenerate": ["deg"], "nearly_degenerate": ["near"]}
+
+
+def test_degenerate_weights_are_quiet_on_normal_rows_and_merge_the_ranks():
+    b_BN, mask_BN, ids = _planted_b()
+    quiet = DegenerateWeights(splits="validation")
+    quiet.add(b_BN[2:], mask_BN[2:], ids[2:])
+    assert quiet.note() is None and _health().check_weights(quiet, log=pytest.fail) is None
+    ranks = [DegenerateWeights(splits="validation") for _ in range(2)]
+    for rank, part in enumerate(ranks):  # rank r holds rows r, r + 2, ...
+        part.add(b_BN[rank::2], mask_BN[rank::2], ids[rank::2])
+    merged = DegenerateWeights.merge(ranks)
+    assert (merged.num_examples, merged.degenerate, merged.nearly_degenerate) == (3, ["deg"], ["near"])
+    many = DegenerateWeights(splits="validation")
+    many.add(torch.zeros(5, 2), torch.ones(5, 2, dtype=torch.bool), [f"d{i}" for i in range(5)])
+    shown = many.note().split("e.g. ")[1].split(":")[0]
+    assert shown == ", ".join(f"d{i}" for i in range(DEGENERATE_IDS_SHOWN)) + " ..."
+
+
+def test_no_b_at_setup_is_recorded_as_not_checked():
+    health = _health()
+    assert health.check_weights(None, log=pytest.fail) is None
+    assert health.degenerate_weights.startswith("not checked") and health.warnings == []
 
 
 def test_closure_note_only_below_the_threshold():

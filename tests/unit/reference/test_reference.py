@@ -428,3 +428,51 @@ def test_provider_online_and_precomputed_agree(tmp_path, llama):
     user = build(cfg("online", scale=1.5))
     assert module.calls == calls and (user.c_base.value, user.c_base.source) == (1.5, "user")
     assert build(cfg("precomputed", mode="mean")).c_base.value < pre.c_base.value
+
+
+class PlantedReference(nn.Module):
+    """``module(batch, mode="reference")`` returning b planted per example id (what the provider's passes read)."""
+
+    def __init__(self, b_by_id: dict[str, torch.Tensor]):
+        super().__init__()
+        self.planted = ReferenceStore.from_values(b_by_id, fingerprint="planted")
+
+    def forward(self, batch, mode: str = "reference"):
+        assert mode == "reference"
+        return self.planted.lookup(batch.ids, n_span=int(batch.num_supervised.max()))
+
+
+@pytest.mark.parametrize("policy", ["precomputed", "online"])
+def test_provider_finds_the_degenerate_weights_its_setup_passes_see(tmp_path, policy):
+    from safetensors.torch import save_file
+
+    (tmp_path / "backbone").mkdir()
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "backbone" / "model.safetensors"))
+    train, val = make_examples(6, seed=31, prefix="tr"), make_examples(5, seed=32, prefix="va")
+
+    def planted(ex):
+        n = len(ex.y_ids) + 1  # y and </y>
+        if ex.id in ("tr1", "va2"):
+            return torch.zeros(n)  # degenerate
+        if ex.id in ("tr4", "va0"):
+            return torch.full((n,), 1e-3)  # nearly degenerate
+        return torch.linspace(0.1, 2.0, n)
+
+    module = PlantedReference({ex.id: planted(ex) for ex in train + val})
+    engine = SimpleNamespace(module=module, all_reduce=lambda t, op="sum": t.clone(),
+                             info=SimpleNamespace(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    model = SimpleNamespace(tokens=TOKENS, tokenizer={f"t{i}": i for i in range(VOCAB)})
+
+    def build(**kw):
+        cfg = TrainConfig.from_flat(reference_policy=policy, reference_cache_dir=str(tmp_path / "cache"), micro_batch_size=2, **kw)
+        return ReferenceProvider.build(cfg, engine=engine, model=model, backbone=tmp_path / "backbone", train=train, val=val,
+                                       passes=1.0, log=lambda *_: None)
+
+    found = build().degenerate_weights
+    if policy == "precomputed":  # the store holds b of both splits
+        assert (found.splits, found.num_examples) == ("train and validation", 11)
+        assert (found.degenerate, found.nearly_degenerate) == (["tr1", "va2"], ["tr4", "va0"])
+    else:  # online: only the validation b of the c_base pass
+        assert (found.splits, found.num_examples) == ("validation", 5)
+        assert (found.degenerate, found.nearly_degenerate) == (["va2"], ["va0"])
+        assert build(zfree_reference_scale=1.0).degenerate_weights is None  # no pass computed b at setup
