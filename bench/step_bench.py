@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from zcvae.config import TrainConfig  # noqa: E402
 from zcvae.backbone.convert import packaged_smollm2, resolve_backbone_path  # noqa: E402
-from zcvae.distributed import flush_denormals  # noqa: E402
+from zcvae.cpu import flush_denormals  # noqa: E402
 from zcvae.engines import EngineConfig, build_engine  # noqa: E402
 from zcvae.core.losses import token_nll  # noqa: E402
 from zcvae.model.config import ModelConfig, default_lora_targets  # noqa: E402

@@ -59,7 +59,7 @@ from zcvae.backbone.stage_data import (
 from zcvae.backbone.stage_eval import decoding_report, evaluate_nll
 from zcvae.backbone.stage_model import build_tiny_model, load_backbone_for_finetune, merged_model
 from zcvae.core.schedule import lr_multiplier
-from zcvae.distributed import cpu_threads, flush_denormals
+from zcvae.cpu import cpu_threads, flush_denormals
 from zcvae.templates import collate
 
 
@@ -88,7 +88,7 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
 
     flush_denormals(log=log)
     previous_threads = torch.get_num_threads()
-    # a fixed thread count (zcvae.distributed.cpu_threads): every run trained on the stage starts from its numbers
+    # a fixed thread count (zcvae.cpu.cpu_threads): every run trained on the stage starts from its numbers
     follower, _ = cpu_threads()
     try:
         # as in `zcvae train`: the stop handlers first, then rank 0 holds the directory's lock

@@ -278,7 +278,7 @@ def evaluate_run(
     from zcvae.reference.provider import ReferenceProvider
     from zcvae.templates import encode_examples
 
-    from zcvae.distributed import flush_denormals
+    from zcvae.cpu import flush_denormals
 
     flush_denormals()
     run_dir = Path(run_dir)

@@ -122,7 +122,7 @@ def run_loop(
     (``config``, ``c_base``). ``evaluate(step)`` evaluates and logs. Raises
     :class:`~zcvae.loop.guards.Preempted` after saving when a stop signal arrived, and
     :class:`~zcvae.loop.guards.TrainingDiverged` on a divergence. ``cpu_threads``: a
-    :class:`~zcvae.distributed.CoreFollower` updated after each log window (None: the thread count stays).
+    :class:`~zcvae.cpu.CoreFollower` updated after each log window (None: the thread count stays).
     """
     s = settings
     rank, world_size, device = engine.rank, engine.world_size, engine.device

@@ -28,7 +28,8 @@ from zcvae._version import __version__
 from zcvae.config import TrainConfig, kl_delay_end, kl_weight_at, lr_factor_at, resolve_scale_factors, train_run_name
 from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
 from zcvae.data.dataset import load_splits, passes_over_data
-from zcvae.distributed import cpu_threads, dist_info, flush_denormals, init_distributed, limit_heap_retention
+from zcvae.cpu import cpu_threads, flush_denormals, limit_heap_retention
+from zcvae.distributed import dist_info, init_distributed
 from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
 from zcvae.runs.lock import LOCK_FILE, RunLock
 from zcvae.train.faults import fault_injection_from_env
@@ -240,7 +241,7 @@ def _start_processes(log, *, follow_cores: bool = False):
     is_main = info.rank == 0
     flushes = flush_denormals(log=log if is_main else None)
     limit_heap_retention()
-    # a fixed count unless --follow-cores (zcvae.distributed.cpu_threads: the count changes the last digits); the ranks
+    # a fixed count unless --follow-cores (zcvae.cpu.cpu_threads: the count changes the last digits); the ranks
     # of one job always keep theirs (torchrun sets OMP_NUM_THREADS=1 anyway)
     follow = follow_cores and info.world_size == 1
     follower, threads_from = cpu_threads(follow=follow) if info.device.type == "cpu" else (None, "torch default")
