@@ -69,7 +69,7 @@ from zcvae.reference.c_base import CBase  # noqa: E402
 from zcvae.reference.provider import ReferenceProvider  # noqa: E402
 from zcvae.reference.store import ReferenceStore  # noqa: E402
 from zcvae.train.trainer import CVAEObjective  # noqa: E402
-from zcvae.templates import EncodedExample, collate  # noqa: E402
+from zcvae.data.encoding import EncodedExample, collate  # noqa: E402
 
 MiB = 2**20
 

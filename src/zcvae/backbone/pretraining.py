@@ -60,7 +60,7 @@ from zcvae.backbone.stage_eval import decoding_report, evaluate_nll
 from zcvae.backbone.stage_model import build_tiny_model, load_backbone_for_finetune, merged_model
 from zcvae.core.schedule import lr_multiplier
 from zcvae.cpu import cpu_threads, flush_denormals
-from zcvae.templates import collate
+from zcvae.data.encoding import collate
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from zcvae.backbone.stage_config import PretrainConfig
 from zcvae.core.losses import token_nll
-from zcvae.templates import (
+from zcvae.data.encoding import (
     IGNORE_INDEX,
     Batch,
     EncodedExample,

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zcvae.templates import missing_markers
+from zcvae.data.encoding import missing_markers
 
 __all__ = [
     "FLOOR_MARGIN_PER_SEQUENCE",

@@ -39,7 +39,7 @@ from zcvae.loop import LoopSettings, MetricWindow, MicroLoss, RunLogger, run_loo
 from zcvae.loop.guards import StopSignals
 from zcvae.loop.setup import SetupPhases
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
-from zcvae.templates import collate, encode_examples
+from zcvae.data.encoding import collate, encode_examples
 
 
 
