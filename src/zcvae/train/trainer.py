@@ -14,24 +14,20 @@ step. The trainer never branches on the engine type.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from zcvae._version import __version__
 from zcvae.config import TrainConfig, kl_delay_end, kl_weight_at, lr_factor_at, resolve_scale_factors, train_run_name
 from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
 from zcvae.data.dataset import load_splits, passes_over_data
 from zcvae.cpu import cpu_threads, flush_denormals, limit_heap_retention
 from zcvae.distributed import dist_info, init_distributed
-from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
-from zcvae.runs.lock import LOCK_FILE, RunLock
+from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, check_output_dir_path, prepare_run_dir, truncate_metrics
+from zcvae.runs.record import resume_changes_record, resume_note, run_metadata
+from zcvae.runs.lock import RunLock
 from zcvae.train.faults import fault_injection_from_env
 from zcvae.train.grad_probe import PROBE_SPLIT, GradientProbe
 from zcvae.train.kl_delay import KL_DELAY_SPLIT, READ_PROBE_EXAMPLES, KLDelay, check_delay
@@ -40,92 +36,6 @@ from zcvae.loop.guards import StopSignals
 from zcvae.loop.setup import SetupPhases
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.data.encoding import collate, encode_examples
-
-
-
-# --------------------------------------------------------------------------- run directory
-def package_versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"python": sys.version.split()[0], "zcvae": __version__}
-    for name in ("torch", "transformers", "peft", "deepspeed", "safetensors", "tensorboard"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
-def git_revision() -> str | None:
-    try:
-        here = Path(__file__).resolve().parent
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        return rev.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    """Whether ``path`` is ``directory`` or lies inside it (symlinks resolved)."""
-    path, directory = path.resolve(), directory.resolve()
-    return path == directory or directory in path.parents
-
-
-def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, is_main: bool, log=print, keep: dict | None = None) -> None:
-    """Make ``run_dir`` ready for one run, or raise ValueError saying why it is not.
-
-    A non-empty directory holds an earlier run: writing a second run into it mixes metrics.jsonl,
-    overwrites run_config.json and lets keep-last pruning delete the other run's checkpoints, so it
-    is refused unless ``resume`` (continue it) or ``overwrite`` (delete it, after saying so). ``keep``
-    names paths (``{field: path}``) that ``overwrite`` must never delete. Every rank calls this before
-    any rank writes into the directory (rank 0 writes nothing there before the engine's first
-    collective), so every rank sees the same directory and raises the same error.
-    """
-    check_output_dir_path(run_dir)
-    try:
-        # the run lock (zcvae.lock) is this run's own, taken before this check
-        entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
-    except FileNotFoundError:
-        entries = []  # rank 0 deleted it for --overwrite while another rank looked
-    except OSError as err:
-        raise ValueError(f"output_dir {str(run_dir)!r} cannot be read: {err.strerror}") from None
-    if entries and not resume:
-        if not overwrite:
-            raise ValueError(
-                f"output_dir {str(run_dir)!r} is not empty (it holds {', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''}): "
-                f"pass --resume auto to continue that run, or --overwrite to delete it and start again, "
-                f"or choose another --output-dir"
-            )
-        if not any(name in entries for name in (RUN_CONFIG, METRICS, CHECKPOINTS, "tensorboard")):
-            raise ValueError(f"--overwrite deletes only a zcvae run directory; output_dir {str(run_dir)!r} holds other files "
-                             f"({', '.join(entries[:4])}): choose another --output-dir")
-        for name, path in (keep or {}).items():
-            if path and Path(path).exists() and _inside(Path(path), run_dir):
-                raise ValueError(f"--overwrite would delete {name} {str(path)!r}, which lies inside output_dir {str(run_dir)!r}")
-        if is_main:
-            log(f"[run] --overwrite: deleting the earlier run in {run_dir} ({', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''})")
-            # moved aside first, so a crash mid-delete leaves no half-deleted run that looks like a run; entry
-            # by entry (the files that make it a run first), as the run lock inside must stay where it is
-            doomed = run_dir.with_name(f"{run_dir.name}.deleting-{os.getpid()}")
-            doomed.mkdir()
-            for name in sorted(entries, key=lambda n: n not in (RUN_CONFIG, CHECKPOINTS)):
-                os.replace(run_dir / name, doomed / name)
-            shutil.rmtree(doomed)
-    if is_main:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ValueError(f"output_dir {str(run_dir)!r} cannot be created: {err.strerror}") from None
-    if run_dir.is_dir() and not os.access(run_dir, os.W_OK | os.X_OK):
-        raise ValueError(f"output_dir {str(run_dir)!r} is not writable")
-
-
-def check_output_dir_path(run_dir: Path) -> None:
-    """ValueError when ``run_dir`` is, or lies under, an existing file."""
-    for parent in (run_dir, *run_dir.parents):
-        if parent.exists() and not parent.is_dir():
-            where = "is an existing file" if parent == run_dir else f"lies under {str(parent)!r}, which is a file"
-            raise ValueError(f"output_dir {str(run_dir)!r} {where}; choose a directory with --output-dir")
 
 
 # --------------------------------------------------------------------------- the loop
@@ -220,7 +130,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
         return final_eval_metrics(run_dir)[1]
     if info.rank == 0:
         metadata = run_metadata(cfg, data.backbone, info.world_size, data.splits, data.train_report, data.val_report, reference,
-                                cpu=cpu, reference_health=data.health.to_dict())
+                                backbone_conversion=conversion_record(data.backbone), cpu=cpu, reference_health=data.health.to_dict())
         metadata.update(resume_changes_record(run_dir, state))
         atomic_write_json(run_dir / RUN_CONFIG, metadata)
 
@@ -501,63 +411,6 @@ def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
     if limit is not None and cfg.data.max_length > limit:
         raise ValueError(f"max_length {cfg.data.max_length} exceeds the backbone's {limit} positions (max_position_embeddings of "
                          f"{str(backbone)!r}); use --max-length {limit} or less")
-
-
-def resume_note(state: dict, cfg: TrainConfig) -> str:
-    """What the resume line adds: a raised ``max_steps`` (the schedules stretch) and allowed changes."""
-    saved = (state.get("meta") or {}).get("config") or {}
-    notes = []
-    if saved.get("max_steps") not in (None, cfg.optimization.max_steps):
-        notes.append(f"max_steps {saved['max_steps']} -> {cfg.optimization.max_steps}: the schedule's fractions (learning-rate warm-up "
-                     f"and decay, KL delay/ramp/cycles) now apply to the new total of {cfg.optimization.max_steps} steps")
-    for change in state.get("changes", []):
-        notes.append(f"{change['field']} {change['from']!r} -> {change['to']!r} from step {change['step']} (--resume-allow-change)")
-    return ("; " + "; ".join(notes)) if notes else ""
-
-
-def resume_changes_record(run_dir: Path, state: dict | None) -> dict:
-    """``{"resume_changes": [...]}``: the earlier run_config.json's list plus this resume's allowed changes
-    (each ``{field, from, to, step}``), so the record says which value held over which steps."""
-    from zcvae.runs.rundir import read_run_record
-
-    earlier = []
-    if state is not None:
-        try:
-            earlier = list(read_run_record(run_dir).get("resume_changes", []))
-        except ValueError:
-            earlier = []
-        # a step replayed after a crash drops the changes recorded from a later step
-        earlier = [c for c in earlier if c.get("step", 0) <= state["step"]]
-        earlier += state.get("changes", [])
-    return {"resume_changes": earlier} if earlier else {}
-
-
-def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, reference, *, cpu=None, reference_health=None) -> dict:
-    return {
-        "config": cfg.to_sections(),  # nested; TrainConfig.from_dict and read_run_record read it flat too
-        "objective": cfg.objective.objective,
-        "kl_weight_factor": 1.0 if cfg.objective.kl_weight_factor is None else cfg.objective.kl_weight_factor,
-        "reconstruction_weight_factor": 1.0 if cfg.objective.reconstruction_weight_factor is None else cfg.objective.reconstruction_weight_factor,
-        # measured at start-up: whether a subnormal times 1 came out 0, and the threads the steps ran on
-        "cpu": cpu,
-        "backbone": str(Path(backbone).resolve()),
-        # the GGUF file and quantization the weights were dequantized from; None for a plain checkpoint
-        "backbone_conversion": conversion_record(backbone),
-        "reconstruction_loss_token_aggregation_mode": cfg.objective.reconstruction_loss_token_aggregation_mode,
-        "c_base": reference.c_base.to_dict(),
-        "reference_policy": reference.policy,
-        # zcvae.reference.health: markers the backbone lacked, c_base against its floor or threshold, warnings
-        "reference_health": reference_health,
-        "world_size": world_size,
-        "data": {
-            "source": splits.source,
-            "train": {"examples": train_report.num_examples, "kept": train_report.num_kept, "skipped": train_report.num_skipped, "x_truncated": train_report.num_x_truncated, "unknown_tokens": train_report.num_unknown_tokens},
-            "val": {"examples": val_report.num_examples, "kept": val_report.num_kept, "skipped": val_report.num_skipped, "x_truncated": val_report.num_x_truncated, "unknown_tokens": val_report.num_unknown_tokens},
-        },
-        "versions": package_versions(),
-        "git_revision": git_revision(),
-        "command": sys.argv,
-    }
 
 
 def default_backbone(cfg: TrainConfig, *, log=print) -> str:
