@@ -25,7 +25,7 @@ def _decoder(backbone, *, reads_z: bool):
     """A real tiny ZCVAE on ``copy`` with K = 3 and its probe set. Fresh, the z rows start near one mean row, so the
     decoder cannot tell the z apart. ``reads_z``: trained for a few steps with z = the example's gold strategy
     (forward -> z0, reverse -> z1), as a decoder that has learned to read z: its first y token (``fwd``/``rev``)
-    then follows z.
+    then follows z."""
     from zcvae.data import get_task, make_examples
     from zcvae.model.cvae import ZCVAE
     from zcvae.data.encoding import collate, encode_examples
