@@ -266,7 +266,7 @@ def _train(config: PretrainConfig, stage: _Stage, *, engine, groups, micro_batch
                             gradient_accumulation_steps=config.gradient_accumulation_steps, seed=config.seed,
                             log_every=config.log_every, eval_every=config.eval_every, save_every=config.save_every,
                             max_grad_norm=config.grad_clip if config.grad_clip > 0 else None,
-                            progress_bar=config.progress_bar, run_name=f"pretrain {run_dir.name}")
+                            progress_bar=config.progress_bar, run_name=f"pretrain {run_dir.name}", progress_metrics={"loss": ".4f"})
     objective = SpanNLLObjective(engine=engine, train_all=train_all, tokens=stage.tokens, seed=config.seed,
                                  z_template_share=config.z_template_share, global_batch=global_batch,
                                  slot_hint_share=config.slot_hint_share)

@@ -31,7 +31,7 @@ from zcvae.runs.lock import RunLock
 from zcvae.train.faults import fault_injection_from_env
 from zcvae.train.grad_probe import PROBE_SPLIT, GradientProbe
 from zcvae.train.kl_delay import KL_DELAY_SPLIT, READ_PROBE_EXAMPLES, KLDelay, check_delay
-from zcvae.loop import LoopSettings, MetricWindow, MicroLoss, RunLogger, run_loop  # noqa: F401 - MetricWindow, RunLogger: their home is zcvae.loop
+from zcvae.loop import LoopSettings, MicroLoss, RunLogger, run_loop
 from zcvae.loop.guards import StopSignals
 from zcvae.loop.setup import SetupPhases
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
@@ -313,6 +313,7 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
         max_steps=cfg.optimization.max_steps, micro_batch_size=cfg.optimization.micro_batch_size, gradient_accumulation_steps=cfg.optimization.gradient_accumulation_steps,
         seed=cfg.optimization.seed, log_every=cfg.run.log_every, eval_every=cfg.evaluation.eval_every, save_every=cfg.run.save_every, max_grad_norm=cfg.optimization.max_grad_norm,
         skip_nonfinite_steps=cfg.run.skip_nonfinite_steps, progress_bar=cfg.run.progress_bar, run_name=cfg.run.run_name,
+        progress_metrics={"loss": ".3f", "kl": ".3f"},
         # the end of the KL delay: whether the decoder reads z when the KL starts (zcvae.eval.verdict.delay_end_note);
         # a delay that ends on evidence adds its step when it ends (CVAEObjective.end_step)
         eval_at=set() if (end := kl_delay_end(cfg)) is None else {end},
@@ -336,19 +337,16 @@ class CVAEObjective:
             raise ValueError("kl_delay_mode read needs a discrete latent with num_latents >= 2 (it compares the decoder across z)")
         self.eval_at, self.log = eval_at, log
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> tuple[list, list[float]]:
+        """The step's KL weight, auxiliary weights and probe; this rank's collated micro-batches and their counts."""
         self.probing = self.probe is not None and (step + 1) % self.cfg.run.grad_probe_every == 0
         self.beta = kl_weight_at(self.cfg, step, delay_end=self.delay.ended_at)
         self.aux = AuxiliaryWeights.from_train_config(self.cfg, beta=self.beta)  # router support may follow beta
-
-    def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list:
-        return [collate([self.train[i] for i in mb], self.model.tokens, num_z_slots=self.cfg.slot_tokens).to(self.engine.device) for mb in micro]
-
-    def counts(self, batches) -> list[float]:
+        batches = [collate([self.train[i] for i in mb], self.model.tokens, num_z_slots=self.cfg.slot_tokens).to(self.engine.device) for mb in micro]
         # every kept example has n_i >= 1; tokens per example is the `token` mode's normaliser (core.losses)
-        return [float(sum(len(b) for b in batches)), float(sum(int(b.num_supervised.sum()) for b in batches))]
+        return batches, [float(sum(len(b) for b in batches)), float(sum(int(b.num_supervised.sum()) for b in batches))]
 
-    def micro_loss(self, batch, *, index: int, num_micro: int, micro: list[int], global_count, global_tokens, window) -> MicroLoss:
+    def micro_loss(self, batch, *, micro: list[int], num_micro: int, global_count, global_tokens) -> MicroLoss:
         engine = self.engine
         mean_num_tokens = global_tokens / global_count.clamp_min(1)
         ref_nll_BN = self.reference.ref_nll(engine, batch)  # before the training forward (ZeRO-3 ordering)
@@ -356,18 +354,17 @@ class CVAEObjective:
         terms = per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=self.reference.c_base.value, recon_config=self.recon_cfg,
                                       kl_weight=self.beta, aux=self.aux, mean_num_tokens=mean_num_tokens)
         loss = terms["loss"].sum() / global_count
+        router = {}  # the router's statistics for the metric window (a discrete latent's)
         if out.posterior is not None:
             local_q_K = (out.posterior * terms["valid"][:, None]).sum(0)
             # this global micro-batch's own count, not the step's: else the marginal sums to 1/accumulation
             global_qn = engine.all_reduce(torch.cat([local_q_K.detach(), terms["valid"].detach().float().sum()[None]]))
             marginal, router = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=global_qn[:-1], global_count=global_qn[-1], aux=self.aux)
             loss = loss + marginal / num_micro
-            for name, value in router.items():
-                window.add_scalar(name, value)
         if self.probing:
             self.probe.accumulate(reconstruction=(terms["weighted_reconstruction_loss"] * terms["valid"]).sum() / global_count,
                                   kl=terms["kl"].sum() / global_count, examples=[self.train[i] for i in micro])
-        return MicroLoss(loss=loss, terms=terms, tokens=float(batch.num_supervised.sum()))
+        return MicroLoss(loss=loss, terms=terms, tokens=float(batch.num_supervised.sum()), scalars=router)
 
     def end_step(self, done: int) -> None:
         if self.probing:
@@ -392,9 +389,6 @@ class CVAEObjective:
 
     def window_metrics(self) -> dict[str, float]:
         return {"kl_weight": self.beta, "c_base": self.reference.c_base.value}
-
-    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
-        return {"loss": f"{metrics.get('loss', float('nan')):.3f}", "kl": f"{metrics.get('kl', float('nan')):.3f}"}
 
 
 def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
