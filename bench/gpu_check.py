@@ -191,7 +191,7 @@ def step_examples(cfg, backbone: str, *, world: int) -> list[list[tuple[int, int
     from transformers import AutoTokenizer
 
     from zcvae.data.dataset import global_batch_indices, load_splits
-    from zcvae.templates import encode_examples, prepare_tokenizer
+    from zcvae.data.encoding import encode_examples, prepare_tokenizer
 
     global_batch = cfg.optimization.micro_batch_size * cfg.optimization.gradient_accumulation_steps * world
     tokenizer = AutoTokenizer.from_pretrained(backbone, local_files_only=True)

@@ -58,18 +58,17 @@ sys.path.insert(0, str(REPO / "src"))
 
 from zcvae.config import TrainConfig  # noqa: E402
 from zcvae.backbone.convert import packaged_smollm2, resolve_backbone_path  # noqa: E402
-from zcvae.distributed import flush_denormals  # noqa: E402
+from zcvae.cpu import flush_denormals  # noqa: E402
 from zcvae.engines import EngineConfig, build_engine  # noqa: E402
 from zcvae.core.losses import token_nll  # noqa: E402
 from zcvae.model.config import ModelConfig, default_lora_targets  # noqa: E402
 from zcvae.model.cvae import ZCVAE  # noqa: E402
 from zcvae.plan.flops import Shape, step_flops, numel as _numel  # noqa: E402 - the FLOP model's one home
-from zcvae.loop import MetricWindow  # noqa: E402
 from zcvae.reference.c_base import CBase  # noqa: E402
 from zcvae.reference.provider import ReferenceProvider  # noqa: E402
 from zcvae.reference.store import ReferenceStore  # noqa: E402
 from zcvae.train.trainer import CVAEObjective  # noqa: E402
-from zcvae.templates import EncodedExample, collate  # noqa: E402
+from zcvae.data.encoding import EncodedExample, collate  # noqa: E402
 
 MiB = 2**20
 
@@ -259,7 +258,7 @@ class Bench:
                                       c_base=CBase(value=c_base, mode=self.recon_cfg.token_aggregation_mode, fingerprint="bench", source="user"))
         objective = CVAEObjective(self.train_cfg, engine=engine, model=model, train=[], reference=reference,
                                   recon_cfg=self.recon_cfg, probe=None, logger=None)
-        objective.begin_step(0)  # beta = kl_weight (constant schedule)
+        objective.begin_step(0, [], [])  # beta = kl_weight (constant schedule); the bench brings its own batch
         count = torch.tensor(float(len(batch)), device=batch.input_ids.device)
         tokens = batch.num_supervised.sum().to(device=count.device, dtype=count.dtype)
 
@@ -267,8 +266,7 @@ class Bench:
             # cases share a model: set the switches every time
             model.config.share_x_prefix = share
             model.config.branch_chunk_size = chunk
-            micro = objective.micro_loss(batch, index=0, num_micro=1, micro=list(batch.ids), global_count=count,
-                                         global_tokens=tokens, window=MetricWindow())
+            micro = objective.micro_loss(batch, micro=list(batch.ids), num_micro=1, global_count=count, global_tokens=tokens)
             engine.backward(micro.loss, sync=True)
             engine.step(max_grad_norm=1.0)
 

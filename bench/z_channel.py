@@ -44,7 +44,7 @@ def _examples(args) -> list:
 
 def _tokens(tokenizer):
     """The template's ids in the backbone's tokenizer (a stage knows every marker but no z_k)."""
-    from zcvae.templates import template_tokens
+    from zcvae.data.encoding import template_tokens
 
     try:
         return template_tokens(tokenizer, num_latents=0)
@@ -56,7 +56,7 @@ def channel(model, tokenizer, examples) -> dict:
     """{"first", "decision": per-example sensitivities, "attention": per-layer means}; see the module docstring."""
     import torch
 
-    from zcvae.templates import IGNORE_INDEX, TemplateLayout, encode_examples
+    from zcvae.data.encoding import IGNORE_INDEX, TemplateLayout, encode_examples
 
     tokens, layout = _tokens(tokenizer), TemplateLayout(1)
     emb = model.get_input_embeddings()

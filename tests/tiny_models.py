@@ -49,7 +49,7 @@ def save_hf_backbone(arch: str, directory: Path, *, seed: int = 0) -> Path:
 def ragged_batch(model, lengths: Iterable[tuple[int, int]], *, generator: torch.Generator):
     """One example per (len(x), len(y)) in ``lengths``, of random ordinary-word ids, collated for ``model``."""
     from zcvae.data import build_tokenizer
-    from zcvae.templates import EncodedExample, collate
+    from zcvae.data.encoding import EncodedExample, collate
 
     hi = len(build_tokenizer())  # the backbone's words, not the z rows the model adds
     examples = [

@@ -38,7 +38,7 @@ def run_evaluation(backbone: str, engine_name: str, run_dir: str | None) -> dict
     from zcvae.eval.evaluation import evaluate
     from zcvae.model.cvae import ZCVAE
     from zcvae.reference.provider import ReferenceProvider
-    from zcvae.templates import collate, encode_examples
+    from zcvae.data.encoding import collate, encode_examples
     import zcvae.eval.summary as summary_module
 
     cfg = TrainConfig.from_flat(task="copy", backbone=backbone, micro_batch_size=2, num_eval_decode_examples=5, max_new_tokens=4,

@@ -25,7 +25,7 @@ if HERE not in sys.path:  # launcher sits next to this file (tests/distributed h
 
 import launcher as C  # noqa: E402
 from zcvae.runs.checkpoint import checkpoint_dirs  # noqa: E402
-from zcvae.templates import MARKERS  # noqa: E402
+from zcvae.data.encoding import MARKERS  # noqa: E402
 
 
 LAUNCH_TIMEOUT_S = 420

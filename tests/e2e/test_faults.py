@@ -153,7 +153,7 @@ def test_01_a_lock_file_left_by_a_killed_run_is_taken_over_with_flock(tmp_path):
 
 def test_01_overwrite_keeps_the_lock_while_it_moves_the_old_run_aside(run, tmp_path):
     from zcvae.runs.lock import RunLock
-    from zcvae.train.trainer import prepare_run_dir
+    from zcvae.runs.rundir import prepare_run_dir
 
     old = tmp_path / "old"
     shutil.copytree(run[0], old)

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from zcvae.templates import MARKERS
+from zcvae.data.encoding import MARKERS
 
 
 FLAGS = ["--task", "copy", "--max-steps", "3", "--num-train-examples", "64", "--num-val-examples", "8",

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from zcvae.backbone.convert import GGUF_RECORD, convert_gguf, file_sha256, packaged_smollm2
-from zcvae.templates import MARKERS
+from zcvae.data.encoding import MARKERS
 from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
 
 GGUF = packaged_smollm2()
@@ -169,7 +169,7 @@ def test_markers_and_z_tokens_are_single_added_tokens_and_text_round_trips(smoll
     from transformers import AutoTokenizer
 
     from zcvae.data import Example
-    from zcvae.templates import MARKERS, TemplateLayout, encode_examples, latent_token, prepare_tokenizer
+    from zcvae.data.encoding import MARKERS, TemplateLayout, encode_examples, latent_token, prepare_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2.dir, local_files_only=True)
     base_vocab = tokenizer.get_vocab()

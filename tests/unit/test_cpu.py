@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from zcvae import distributed
-from zcvae.distributed import START_THREADS_ENV, CoreFollower, busy_cpu_cores, cpu_threads, flush_denormals, free_cpu_cores
+from zcvae import cpu
+from zcvae.cpu import START_THREADS_ENV, CoreFollower, busy_cpu_cores, cpu_threads, flush_denormals, free_cpu_cores
 
 SUBNORMAL = 1e-40  # below float32's smallest normal, 1.18e-38
 
@@ -32,7 +32,7 @@ def test_flush_denormals_makes_a_subnormal_times_one_zero():
 def _fake_proc_stat(monkeypatch, before, after):
     """/proc/stat read twice: (idle, total) per cpu."""
     reads = iter([before, after])
-    monkeypatch.setattr(distributed, "_cpu_times", lambda cpus: next(reads))
+    monkeypatch.setattr(cpu, "_cpu_times", lambda cpus: next(reads))
     monkeypatch.setattr("time.sleep", lambda seconds: None)
 
 
@@ -53,7 +53,7 @@ def test_free_cores_follow_current_usage_not_the_load_average(monkeypatch):
 
 
 def test_without_proc_stat_the_load_average_is_used(monkeypatch):
-    monkeypatch.setattr(distributed, "_cpu_times", lambda cpus: None)
+    monkeypatch.setattr(cpu, "_cpu_times", lambda cpus: None)
     monkeypatch.setattr(os, "getloadavg", lambda: (100.0, 0.0, 0.0))
     assert free_cpu_cores() == 1
 
@@ -79,9 +79,9 @@ def _follower(monkeypatch, *, others: float, own: float, wall: float = 10.0, cpu
     clock = iter([0.0, wall])
     process = iter([0.0, own * wall])
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cpus))
-    monkeypatch.setattr(distributed, "_cpu_times", lambda c: next(stats))
-    monkeypatch.setattr(distributed.time, "monotonic", lambda: next(clock))
-    monkeypatch.setattr(distributed.time, "process_time", lambda: next(process))
+    monkeypatch.setattr(cpu, "_cpu_times", lambda c: next(stats))
+    monkeypatch.setattr(cpu.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(cpu.time, "process_time", lambda: next(process))
     return CoreFollower()
 
 
@@ -100,7 +100,7 @@ def test_a_run_takes_the_core_another_left_and_gives_it_back(monkeypatch, thread
 
 def test_without_proc_stat_the_follower_keeps_the_count(monkeypatch, threads):
     torch.set_num_threads(1)
-    monkeypatch.setattr(distributed, "_cpu_times", lambda cpus: None)
+    monkeypatch.setattr(cpu, "_cpu_times", lambda cpus: None)
     assert CoreFollower().update() == 1
 
 
@@ -127,8 +127,8 @@ def test_the_default_count_is_every_core_however_busy_they_are(monkeypatch, thre
     now: the count must not depend on the load. --follow-cores starts on the idle ones."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv(START_THREADS_ENV, raising=False)
-    monkeypatch.setattr(distributed, "_affinity", lambda: frozenset({0, 1}))
-    monkeypatch.setattr(distributed, "busy_cpu_cores", lambda interval=0.2: 1.0)  # another process keeps one core busy
+    monkeypatch.setattr(cpu, "_affinity", lambda: frozenset({0, 1}))
+    monkeypatch.setattr(cpu, "busy_cpu_cores", lambda interval=0.2: 1.0)  # another process keeps one core busy
     follower, source = cpu_threads()
     assert follower is None and torch.get_num_threads() == 2 and source == "every core of this process"
     follower, source = cpu_threads(follow=True)

@@ -11,7 +11,7 @@ def test_every_public_name_resolves_to_its_home():
         value = getattr(zcvae, name)
         assert value is not None, name
     assert zcvae.ZCVAE.__module__ == "zcvae.model.cvae"
-    assert zcvae.collate.__module__ == "zcvae.templates"
+    assert zcvae.collate.__module__ == "zcvae.data.encoding"
 
 
 def test_unknown_names_raise_attribute_error():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zcvae.data.tasks import make_examples
-from zcvae.templates import IGNORE_INDEX, EncodedExample, TemplateLayout
+from zcvae.data.encoding import IGNORE_INDEX, EncodedExample, TemplateLayout
 
 
 @pytest.fixture(scope="module")

@@ -59,8 +59,8 @@ from zcvae.backbone.stage_data import (
 from zcvae.backbone.stage_eval import decoding_report, evaluate_nll
 from zcvae.backbone.stage_model import build_tiny_model, load_backbone_for_finetune, merged_model
 from zcvae.core.schedule import lr_multiplier
-from zcvae.distributed import cpu_threads, flush_denormals
-from zcvae.templates import collate
+from zcvae.cpu import cpu_threads, flush_denormals
+from zcvae.data.encoding import collate
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -88,7 +88,7 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
 
     flush_denormals(log=log)
     previous_threads = torch.get_num_threads()
-    # a fixed thread count (zcvae.distributed.cpu_threads): every run trained on the stage starts from its numbers
+    # a fixed thread count (zcvae.cpu.cpu_threads): every run trained on the stage starts from its numbers
     follower, _ = cpu_threads()
     try:
         # as in `zcvae train`: the stop handlers first, then rank 0 holds the directory's lock
@@ -266,7 +266,7 @@ def _train(config: PretrainConfig, stage: _Stage, *, engine, groups, micro_batch
                             gradient_accumulation_steps=config.gradient_accumulation_steps, seed=config.seed,
                             log_every=config.log_every, eval_every=config.eval_every, save_every=config.save_every,
                             max_grad_norm=config.grad_clip if config.grad_clip > 0 else None,
-                            progress_bar=config.progress_bar, run_name=f"pretrain {run_dir.name}")
+                            progress_bar=config.progress_bar, run_name=f"pretrain {run_dir.name}", progress_metrics={"loss": ".4f"})
     objective = SpanNLLObjective(engine=engine, train_all=train_all, tokens=stage.tokens, seed=config.seed,
                                  z_template_share=config.z_template_share, global_batch=global_batch)
     train_start, train_cpu_start = time.perf_counter(), time.process_time()

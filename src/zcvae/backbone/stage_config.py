@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zcvae.strict import StrictDataclass
-from zcvae.templates import TemplateLayout
+from zcvae.data.encoding import TemplateLayout
 
 SUMMARY_FILE = "pretrain_summary.json"
 # Files a finished checkpoint directory must hold; the summary is written last.
@@ -73,7 +73,7 @@ class PretrainConfig(StrictDataclass):
     num_heads: int = 4
     intermediate_size: int = 512
     max_length: int = 64
-    """Bound on the z-shaped sequence in tokens (the longer template); see ``zcvae.templates``."""
+    """Bound on the z-shaped sequence in tokens (the longer template); see ``zcvae.data.encoding``."""
     seed: int = 0
     """Seeds the model initialisation, the data order, the template draw and the generated task data."""
     log_every: int = 100

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from zcvae.backbone.stage_config import PretrainConfig
 from zcvae.core.losses import token_nll
-from zcvae.templates import (
+from zcvae.data.encoding import (
     IGNORE_INDEX,
     Batch,
     EncodedExample,
@@ -158,23 +158,19 @@ class SpanNLLObjective:
         self.seed, self.share, self.global_batch = seed, z_template_share, global_batch
         self.num_tokens = 0.0  # this rank's input tokens so far (train_tokens_per_s)
 
-    def begin_step(self, step: int) -> None:
-        pass
-
-    def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list:
+    def begin_step(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> tuple[list, list[float]]:
+        """This rank's micro-batches of the two-template mix, as (input_ids, attention_mask, labels), and their
+        [rows, supervised tokens]."""
         digest = hashlib.sha256(f"zcvae pretrain templates {self.seed} {step}".encode()).digest()
         draws = torch.rand(self.global_batch, generator=torch.Generator().manual_seed(int.from_bytes(digest[:8], "little")))
         out = []
         for rows, places in zip(micro, positions):
             use_z_B = draws[places] < self.share
             out.append(tuple(t.to(self.engine.device) for t in mix_templates(self.train_all.select(rows), use_z_B, pad_id=self.tokens.pad)))
-        return out
+        return out, [float(sum(ids.shape[0] for ids, _, _ in out)),
+                     float(sum(int((labels[:, 1:] != IGNORE_INDEX).sum()) for _, _, labels in out))]
 
-    def counts(self, batches) -> list[float]:
-        return [float(sum(ids.shape[0] for ids, _, _ in batches)),
-                float(sum(int((labels[:, 1:] != IGNORE_INDEX).sum()) for _, _, labels in batches))]
-
-    def micro_loss(self, batch, *, index: int, num_micro: int, micro, global_count, global_tokens, window):
+    def micro_loss(self, batch, *, micro, num_micro: int, global_count, global_tokens):
         from zcvae.loop import MicroLoss
 
         ids_BT, mask_BT, labels_BT = batch
@@ -190,14 +186,11 @@ class SpanNLLObjective:
     def end_step(self, done: int) -> None:
         pass
 
+    def window_metrics(self) -> dict[str, float]:
+        return {}
+
     def state_dict(self) -> dict:
         return {}  # a pure function of (seed, step): nothing to keep besides the weights
 
     def state_tensors(self) -> dict:
         return {}
-
-    def window_metrics(self) -> dict[str, float]:
-        return {}
-
-    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
-        return {"loss": f"{metrics.get('loss', float('nan')):.4f}"}

@@ -16,7 +16,7 @@ import torch
 from zcvae.backbone.stage_data import span_nll
 from zcvae.model import hf_compat
 from zcvae.model.decoding import KVCache, greedy_decode
-from zcvae.templates import EncodedExample, TemplateLayout, TemplateTokens, collate
+from zcvae.data.encoding import EncodedExample, TemplateLayout, TemplateTokens, collate
 
 TEMPLATES = ("zfree", "znull")
 

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from zcvae.backbone.stage_config import PretrainConfig
-from zcvae.templates import TemplateTokens, prepare_tokenizer
+from zcvae.data.encoding import TemplateTokens, prepare_tokenizer
 
 
 def tiny_llama_config(

@@ -191,7 +191,7 @@ def run_real_lm_demo(*, backbone: str, output_dir: str, quick: bool, seeds: int,
 @contextmanager
 def omp_threads(count: int):
     """``OMP_NUM_THREADS`` = ``count`` within: the one setting every zcvae process reads first
-    (``zcvae.distributed.cpu_threads``), here and in the runs it starts; the caller's value comes back after."""
+    (``zcvae.cpu.cpu_threads``), here and in the runs it starts; the caller's value comes back after."""
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(count)
     try:

@@ -16,13 +16,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from zcvae.data.tasks import TASKS
-from zcvae.templates import TemplateLayout
+from zcvae.data.encoding import TemplateLayout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
-# The template markers (defined by zcvae.templates.TemplateLayout) get fixed ids right after these.
+# The template markers (defined by zcvae.data.encoding.TemplateLayout) get fixed ids right after these.
 TEMPLATE_TOKENS = TemplateLayout.MARKERS
 SPECIAL_TOKENS = (PAD, UNK, BOS, EOS, *TEMPLATE_TOKENS)
 

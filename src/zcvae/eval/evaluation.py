@@ -102,7 +102,7 @@ from zcvae.eval.records import check_complete, gather_records, shard_indices
 from zcvae.eval.strata import stratified_decoding_metrics, stratified_metrics
 from zcvae.eval.summary import summarize
 from zcvae.runs.rundir import RUN_CONFIG, LATENTS_FIGURE, atomic_write, atomic_write_json, eval_step_file, read_run_record
-from zcvae.templates import EncodedExample
+from zcvae.data.encoding import EncodedExample
 
 # Re-exported: the evaluation's public names, whose homes are the modules above.
 __all__ = [
@@ -276,9 +276,9 @@ def evaluate_run(
     from zcvae.export.load import load_for_inference, newest_checkpoint, resolve_backbone
     from zcvae.reference.c_base import CBase
     from zcvae.reference.provider import ReferenceProvider
-    from zcvae.templates import encode_examples
+    from zcvae.data.encoding import encode_examples
 
-    from zcvae.distributed import flush_denormals
+    from zcvae.cpu import flush_denormals
 
     flush_denormals()
     run_dir = Path(run_dir)

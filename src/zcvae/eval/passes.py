@@ -18,7 +18,7 @@ import torch
 from zcvae.core.objective import AuxiliaryWeights, per_example_objective
 from zcvae.eval.records import DecodeRecord, ExampleRecord
 from zcvae.model.decoding import KVCache, greedy_decode
-from zcvae.templates import EncodedExample, TemplateLayout, TemplateTokens, collate
+from zcvae.data.encoding import EncodedExample, TemplateLayout, TemplateTokens, collate
 
 __all__ = ["decode_length", "decode_pass", "example_pass"]
 

@@ -32,7 +32,7 @@ from zcvae.eval.metrics import (
 )
 from zcvae.eval.records import ControlRecord, DecodeRecord, ExampleRecord
 from zcvae.eval.strata import stratified_decoding_metrics, stratified_metrics
-from zcvae.templates import EncodedExample
+from zcvae.data.encoding import EncodedExample
 
 __all__ = [
     "MIN_LABELLED",

@@ -84,7 +84,7 @@ def one_line(text: str) -> str:
 
 
 def _text_ids(model, text: str, *, what: str) -> tuple[int, ...]:
-    from zcvae.templates import user_text_reserved_ids
+    from zcvae.data.encoding import user_text_reserved_ids
 
     if not text.strip():
         # training rejects an empty x or y (zcvae.data.jsonl): the model never saw one
@@ -105,9 +105,9 @@ def _text_ids(model, text: str, *, what: str) -> tuple[int, ...]:
 
 
 def _fit_x(model, x_ids: tuple[int, ...], *, y_len: int) -> tuple[int, ...]:
-    """x under the training length policy (zcvae.templates.encode_examples): truncated from the left so
+    """x under the training length policy (zcvae.data.encoding.encode_examples): truncated from the left so
     that the z-conditioned sequence with ``y_len`` y tokens fits the run's ``max_length``; says so."""
-    from zcvae.templates import TemplateLayout
+    from zcvae.data.encoding import TemplateLayout
 
     max_length = int(model.run_record["config"].get("max_length", 64))
     room = TemplateLayout(model.config.num_z_slots).room_for_x(max_length, y_len)

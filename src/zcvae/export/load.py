@@ -258,7 +258,7 @@ def decode_greedy(model, x_ids, *, latent_index=None, z=None, max_new_tokens: in
     model's "decode" mode with a key/value cache (the prompt once, then one token per forward).
     """
     from zcvae.model.decoding import KVCache, greedy_decode
-    from zcvae.templates import TemplateLayout
+    from zcvae.data.encoding import TemplateLayout
 
     t = model.tokens
     rows = int(latent_index.shape[0]) if latent_index is not None else int(z.shape[0])
@@ -281,7 +281,7 @@ def decode_greedy(model, x_ids, *, latent_index=None, z=None, max_new_tokens: in
 
 
 def _xy_batch(model, x_ids, y_ids):
-    from zcvae.templates import EncodedExample, collate
+    from zcvae.data.encoding import EncodedExample, collate
 
     batch = collate([EncodedExample("input", tuple(x_ids), tuple(y_ids))], model.tokens, num_z_slots=model.config.num_z_slots)
     return batch.to(next(model.parameters()).device)

@@ -8,22 +8,23 @@ What one optimizer step does, for any objective and any engine:
 3. the global counts (examples, supervised tokens), all-reduced *before* any forward, so that every
    micro-batch contributes ``local_sum / global_count`` and (world 1, accumulation 4) takes the same
    step as (world 2, accumulation 2);
-4. per micro-batch the objective's loss (the callback), backward with gradient sync on the last;
+4. per micro-batch the objective's loss (``micro_loss``), backward with gradient sync on the last;
 5. ``engine.step`` with clipping, the divergence guard and the preemption stop (``loop.guards``);
 6. the metric window (exact over ranks) into the RunLogger (metrics.jsonl + TensorBoard), the
    progress bar, periodic evaluation and periodic checkpoints; at the end the final evaluation and
    checkpoint.
 
 What differs between the CVAE and the entangled stage is the :class:`Objective`: how a micro-batch
-is built from example indices and what its loss is. The loop never branches on the engine type nor
-on the objective.
+is built from example indices and what its loss is (``begin_step``, ``micro_loss``), what it does after
+the step and logs with the window (``end_step``, ``window_metrics``), and what a checkpoint keeps of it
+(``state_dict``). The loop never branches on the engine type nor on the objective.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -35,7 +36,7 @@ from zcvae.loop.guards import PhaseStopped, Preempted, StepGuard, StopSignals, c
 
 @dataclass
 class LoopSettings:
-    """The step loop's own settings (every field has the meaning of the TrainConfig field of that name)."""
+    """The step loop's own settings (a field named like a TrainConfig field has its meaning)."""
 
     max_steps: int
     micro_batch_size: int
@@ -48,6 +49,8 @@ class LoopSettings:
     skip_nonfinite_steps: int = 0
     progress_bar: bool = True
     run_name: str = "run"
+    progress_metrics: dict[str, str] = field(default_factory=lambda: {"loss": ".3f"})
+    """What the progress bar shows after each log window: metric name -> format spec."""
     eval_at: Container[int] = ()
     """Steps evaluated besides every ``eval_every`` (the trainer's: the end of the KL delay; a set the objective adds
     to when its delay ends on evidence)."""
@@ -64,41 +67,41 @@ def evaluates_after(settings: LoopSettings, done: int) -> bool:
 class MicroLoss:
     """One micro-batch's contribution: ``loss`` (this rank's sum divided by the global count, so the
     step's gradient is the global mean), ``terms`` (per-row values ``[B]`` for the metric window and the
-    guard; ``terms["valid"]`` weighs each row in the window means and is > 0 for rows that count) and
-    ``tokens`` (supervised tokens, for tokens/s)."""
+    guard; ``terms["valid"]`` weighs each row in the window means and is > 0 for rows that count),
+    ``tokens`` (supervised tokens, for tokens/s) and ``scalars`` (one value each for the window, averaged
+    over micro-batches and ranks: the CVAE's router statistics)."""
 
     loss: torch.Tensor
     terms: dict[str, torch.Tensor]
     tokens: float
+    scalars: dict[str, torch.Tensor | float] = field(default_factory=dict)
 
 
 class Objective(Protocol):
     """What the loop asks of a training objective (see ``train.trainer.CVAEObjective`` and
     ``backbone.stage_data.SpanNLLObjective``)."""
 
-    def begin_step(self, step: int) -> None: ...
+    def begin_step(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> tuple[list[Any], list[float]]:
+        """Start step ``step`` (0-based): this rank's micro-batches on the device, and their [valid examples,
+        supervised tokens] (summed over ranks by the loop before any forward). ``micro`` are example indices,
+        ``positions`` their places in the global batch (the same on every world size)."""
 
-    def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list[Any]:
-        """This rank's micro-batches on the device; ``micro`` are example indices, ``positions`` their
-        places in the global batch (the same on every world size)."""
+    def micro_loss(self, batch: Any, *, micro: list[int], num_micro: int, global_count: torch.Tensor,
+                   global_tokens: torch.Tensor) -> MicroLoss:
+        """One micro-batch's forward and loss; ``micro``: its example indices, ``num_micro``: this rank's
+        micro-batches in the step, ``global_count``/``global_tokens``: the step's counts over all ranks."""
 
-    def counts(self, batches: Sequence[Any]) -> list[float]:
-        """[valid examples, supervised tokens] of this rank's micro-batches (summed over ranks by the loop)."""
+    def end_step(self, done: int) -> None:
+        """After the optimizer step of ``done`` steps (logging, checks of the objective's own)."""
 
-    def micro_loss(self, batch: Any, *, index: int, num_micro: int, micro: list[int], global_count: torch.Tensor,
-                   global_tokens: torch.Tensor, window) -> MicroLoss: ...
-
-    def end_step(self, done: int) -> None: ...
+    def window_metrics(self) -> dict[str, float]:
+        """Values of the objective logged with each window (the same on every rank)."""
 
     def state_dict(self) -> dict:
         """What the checkpoint keeps of the objective besides the weights (plain types; {} for none)."""
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Tensors the checkpoint keeps of the objective besides the trained weights (the same on every rank; {} for none)."""
-
-    def window_metrics(self) -> dict[str, float]: ...
-
-    def postfix(self, metrics: dict[str, float]) -> dict[str, str]: ...
 
 
 def run_loop(
@@ -125,7 +128,7 @@ def run_loop(
     (``config``, ``c_base``). ``evaluate(step)`` evaluates and logs. Raises
     :class:`~zcvae.loop.guards.Preempted` after saving when a stop signal arrived, and
     :class:`~zcvae.loop.guards.TrainingDiverged` on a divergence. ``cpu_threads``: a
-    :class:`~zcvae.distributed.CoreFollower` updated after each log window (None: the thread count stays).
+    :class:`~zcvae.cpu.CoreFollower` updated after each log window (None: the thread count stays).
     """
     s = settings
     rank, world_size, device = engine.rank, engine.world_size, engine.device
@@ -136,19 +139,20 @@ def run_loop(
     window_tokens, window_start = 0.0, time.perf_counter()
     window_first = start_step  # a resume between two log steps starts a shorter first window
     for step in range(start_step, s.max_steps):
-        objective.begin_step(step)
         factor = lr_factor(step)
         engine.set_learning_rates([lr * factor for lr in peak_lrs])
         indices = global_batch_indices(num_examples=num_examples, global_batch_size=global_batch, step=step, seed=s.seed)
         split = dict(micro_batch_size=s.micro_batch_size, accumulation_steps=s.gradient_accumulation_steps, rank=rank, world_size=world_size)
         micro = rank_micro_batches(indices, **split)
         positions = rank_micro_batches(list(range(len(indices))), **split)
-        batches = objective.batches(step, micro, positions)
+        batches, counts = objective.begin_step(step, micro, positions)
         # the global counts of valid examples and of supervised tokens, before any forward
-        global_count, global_tokens = engine.all_reduce(torch.tensor(objective.counts(batches), device=device))
+        global_count, global_tokens = engine.all_reduce(torch.tensor(counts, device=device))
         for m, batch in enumerate(batches):
-            out = objective.micro_loss(batch, index=m, num_micro=len(batches), micro=micro[m], global_count=global_count,
-                                       global_tokens=global_tokens, window=window)
+            out = objective.micro_loss(batch, micro=micro[m], num_micro=len(batches), global_count=global_count,
+                                       global_tokens=global_tokens)
+            for name, value in out.scalars.items():
+                window.add_scalar(name, value)
             engine.backward(out.loss, sync=m == len(batches) - 1)
             guard.add(out.terms, out.loss)
             window.add_examples(out.terms, out.terms["valid"])
@@ -177,7 +181,7 @@ def run_loop(
                 metrics["window_steps"] = done - window_first
             window_first = done
             logger.log("train", done, metrics)
-            progress.set_postfix(**objective.postfix(metrics))
+            progress.set_postfix(**{name: f"{metrics.get(name, float('nan')):{spec}}" for name, spec in s.progress_metrics.items()})
             window, window_tokens, window_start = MetricWindow(), 0.0, time.perf_counter()
         stopped_in_eval = None
         if evaluates_after(s, done):

@@ -15,7 +15,7 @@ from torch import nn
 
 from zcvae.model import hf_compat
 from zcvae.model.prefix import SharedPrefix, suffix
-from zcvae.templates import Batch
+from zcvae.data.encoding import Batch
 
 __all__ = ["branch_rows", "chunks", "run_branch_chunks", "write_latent"]
 

@@ -17,7 +17,7 @@ from torch import nn
 from zcvae.core.latent import DiscreteRouter, GaussianRouter, SoftPromptProjection
 from zcvae.model import hf_compat
 from zcvae.model.config import ModelConfig, default_lora_targets
-from zcvae.templates import ZNULL, TemplateTokens, missing_markers, prepare_tokenizer
+from zcvae.data.encoding import ZNULL, TemplateTokens, missing_markers, prepare_tokenizer
 
 __all__ = [
     "attach_lora",

@@ -15,7 +15,7 @@ when the *wrapped* module is called, so ``forward`` is kept as the one entry the
 dispatches on ``mode`` (``MODES``) to the method above, and is typed per mode.
 
 Discrete latent (``latent_type="discrete"``): z is one of K values; value k owns M new tokens
-(``<z_k>`` for M = 1, ``<z_k_1> .. <z_k_M>`` for M > 1, see ``templates.latent_token_texts``) written
+(``<z_k>`` for M = 1, ``<z_k_1> .. <z_k_M>`` for M > 1, see ``zcvae.data.encoding.latent_token_texts``) written
 into the M z slots of ``<bos> <x> {x} </x> <z> z_k^1 .. z_k^M </z> <y> {y} </y> <eos>``. One LoRA-adapted pass over the z-free
 template gives the prior p(z|x) from the final hidden state at ``</x>`` (causal: it has seen x only)
 and the posterior q(z|x,y) from the state at ``</y>``; the K branches then run as one batched forward
@@ -51,7 +51,7 @@ from zcvae.core.losses import gather_span, supervised_token_nll, token_nll
 from zcvae.model import branches, build, hf_compat, prefix as shared, sharded
 from zcvae.model.config import POSTERIOR_POOLING, ModelConfig
 from zcvae.model.decoding import KVCache
-from zcvae.templates import Batch, TemplateTokens
+from zcvae.data.encoding import Batch, TemplateTokens
 
 __all__ = ["CVAEOutput", "MODES", "REFERENCE_ADAPTER", "ZCVAE", "posterior_state"]
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from zcvae.model import hf_compat
-from zcvae.templates import IGNORE_INDEX, Batch
+from zcvae.data.encoding import IGNORE_INDEX, Batch
 
 __all__ = ["SharedPrefix", "prefix_inputs", "repeat_for_rows", "sharing_blocker", "suffix"]
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from zcvae.model import build, hf_compat
 from zcvae.model.config import ModelConfig
-from zcvae.templates import ZNULL, TemplateTokens
+from zcvae.data.encoding import ZNULL, TemplateTokens
 
 __all__ = ["CheckpointReader", "PendingWeights", "ShardedLoading", "build_skeleton", "full_shape", "plan_weights"]
 

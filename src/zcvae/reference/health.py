@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from zcvae.core.aggregation import NEARLY_DEGENERATE_MAX_SURPRISAL, reference_degeneracy
-from zcvae.templates import missing_markers
+from zcvae.data.encoding import missing_markers
 
 __all__ = [
     "DEGENERATE_IDS_SHOWN",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from zcvae.templates import Batch, EncodedExample
+from zcvae.data.encoding import Batch, EncodedExample
 from zcvae.reference.store import _all_gather  # the store's exchange of per-rank parts
 from zcvae.reference.store import POLICIES, ReferenceStore, default_policy, fingerprint_backbone, iter_reference_batches, load_or_build_reference_store, reference_fingerprint, reference_output
 from zcvae.reference.c_base import CBase, c_base_from_store, c_base_from_sum_count, c_base_sum_count, resolve_c_base

@@ -67,7 +67,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from zcvae.runs.rundir import atomic_write
-from zcvae.templates import Batch, EncodedExample, TemplateLayout, TemplateTokens, collate
+from zcvae.data.encoding import Batch, EncodedExample, TemplateLayout, TemplateTokens, collate
 
 __all__ = [
     "C_BASE_SOURCES",

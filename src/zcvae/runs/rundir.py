@@ -1,4 +1,4 @@
-"""The run directory: its file names, the one atomic writer, its readers, the built-in backbone path.
+"""The run directory: its file names, the one atomic writer, its readers, its preparation for a run, the built-in backbone path.
 
 A run directory (``--output-dir``) holds::
 
@@ -14,7 +14,8 @@ Every file that a reader may open while a writer runs is written through ``atomi
 temporary file in the same directory, then ``os.replace``d over the target, so a reader sees the old
 file or the new one, never half of one; a failed write leaves the old file and no temporary.
 
-This module imports nothing of zcvae, so every layer (data/, runs/, train/, eval/, export/) can use it.
+This module imports nothing of zcvae but the lock file's name (zcvae.runs.lock), so every layer (data/, runs/,
+train/, eval/, export/) can use it.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
+
+from zcvae.runs.lock import LOCK_FILE
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
@@ -210,6 +214,70 @@ def truncate_metrics(path: str | os.PathLike, *, after_step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= after_step]
     atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+
+# --------------------------------------------------------------------------- a run's directory, made ready
+def _inside(path: Path, directory: Path) -> bool:
+    """Whether ``path`` is ``directory`` or lies inside it (symlinks resolved)."""
+    path, directory = path.resolve(), directory.resolve()
+    return path == directory or directory in path.parents
+
+
+def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, is_main: bool, log=print, keep: dict | None = None) -> None:
+    """Make ``run_dir`` ready for one run, or raise ValueError saying why it is not.
+
+    A non-empty directory holds an earlier run: writing a second run into it mixes metrics.jsonl,
+    overwrites run_config.json and lets keep-last pruning delete the other run's checkpoints, so it
+    is refused unless ``resume`` (continue it) or ``overwrite`` (delete it, after saying so). ``keep``
+    names paths (``{field: path}``) that ``overwrite`` must never delete. Every rank calls this before
+    any rank writes into the directory (rank 0 writes nothing there before the engine's first
+    collective), so every rank sees the same directory and raises the same error.
+    """
+    check_output_dir_path(run_dir)
+    try:
+        # the run lock (zcvae.lock) is this run's own, taken before this check
+        entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
+    except FileNotFoundError:
+        entries = []  # rank 0 deleted it for --overwrite while another rank looked
+    except OSError as err:
+        raise ValueError(f"output_dir {str(run_dir)!r} cannot be read: {err.strerror}") from None
+    if entries and not resume:
+        if not overwrite:
+            raise ValueError(
+                f"output_dir {str(run_dir)!r} is not empty (it holds {', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''}): "
+                f"pass --resume auto to continue that run, or --overwrite to delete it and start again, "
+                f"or choose another --output-dir"
+            )
+        if not any(name in entries for name in (RUN_CONFIG, METRICS, CHECKPOINTS, "tensorboard")):
+            raise ValueError(f"--overwrite deletes only a zcvae run directory; output_dir {str(run_dir)!r} holds other files "
+                             f"({', '.join(entries[:4])}): choose another --output-dir")
+        for name, path in (keep or {}).items():
+            if path and Path(path).exists() and _inside(Path(path), run_dir):
+                raise ValueError(f"--overwrite would delete {name} {str(path)!r}, which lies inside output_dir {str(run_dir)!r}")
+        if is_main:
+            log(f"[run] --overwrite: deleting the earlier run in {run_dir} ({', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''})")
+            # moved aside first, so a crash mid-delete leaves no half-deleted run that looks like a run; entry
+            # by entry (the files that make it a run first), as the run lock inside must stay where it is
+            doomed = run_dir.with_name(f"{run_dir.name}.deleting-{os.getpid()}")
+            doomed.mkdir()
+            for name in sorted(entries, key=lambda n: n not in (RUN_CONFIG, CHECKPOINTS)):
+                os.replace(run_dir / name, doomed / name)
+            shutil.rmtree(doomed)
+    if is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"output_dir {str(run_dir)!r} cannot be created: {err.strerror}") from None
+    if run_dir.is_dir() and not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"output_dir {str(run_dir)!r} is not writable")
+
+
+def check_output_dir_path(run_dir: Path) -> None:
+    """ValueError when ``run_dir`` is, or lies under, an existing file."""
+    for parent in (run_dir, *run_dir.parents):
+        if parent.exists() and not parent.is_dir():
+            where = "is an existing file" if parent == run_dir else f"lies under {str(parent)!r}, which is a file"
+            raise ValueError(f"output_dir {str(run_dir)!r} {where}; choose a directory with --output-dir")
 
 
 # --------------------------------------------------------------------------- caches

@@ -200,9 +200,9 @@ def _start(run: Run, *, one_at_a_time: bool, progress_bar: bool) -> tuple[subpro
     run_dir = Path(run.params["output_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     handle = open(run_dir / TRAIN_LOG, "a", encoding="utf-8")
-    # one thread each, so that runs started together do not each take every core (zcvae.distributed.cpu_threads:
+    # one thread each, so that runs started together do not each take every core (zcvae.cpu.cpu_threads:
     # fixed, so that a run's numbers do not depend on what ran beside it). A user's OMP_NUM_THREADS still wins.
-    from zcvae.distributed import START_THREADS_ENV  # torch, only once a run starts
+    from zcvae.cpu import START_THREADS_ENV  # torch, only once a run starts
 
     env = {START_THREADS_ENV: "1", **os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env), handle

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from zcvae.templates import collate
+from zcvae.data.encoding import collate
 
 # y e times likelier under the best z than under the worst: far above what the z rows alone move in a decoder that
 # ignores z, far below the gap at a strategy's decision token once the decoder reads z (several nats)

@@ -14,117 +14,28 @@ step. The trainer never branches on the engine type.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from zcvae._version import __version__
 from zcvae.config import TrainConfig, kl_delay_end, kl_weight_at, lr_factor_at, resolve_scale_factors, train_run_name
 from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
 from zcvae.data.dataset import load_splits, passes_over_data
-from zcvae.distributed import cpu_threads, dist_info, flush_denormals, init_distributed, limit_heap_retention
-from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, truncate_metrics
-from zcvae.runs.lock import LOCK_FILE, RunLock
+from zcvae.cpu import cpu_threads, flush_denormals, limit_heap_retention
+from zcvae.distributed import dist_info, init_distributed
+from zcvae.runs.rundir import CHECKPOINTS, METRICS, RUN_CONFIG, atomic_write_json, check_output_dir_path, prepare_run_dir, truncate_metrics
+from zcvae.runs.record import resume_changes_record, resume_note, run_metadata
+from zcvae.runs.lock import RunLock
 from zcvae.train.faults import fault_injection_from_env
 from zcvae.train.grad_probe import PROBE_SPLIT, GradientProbe
 from zcvae.train.kl_delay import KL_DELAY_SPLIT, READ_PROBE_EXAMPLES, KLDelay, check_delay
-from zcvae.loop import LoopSettings, MetricWindow, MicroLoss, RunLogger, run_loop  # noqa: F401 - MetricWindow, RunLogger: their home is zcvae.loop
+from zcvae.loop import LoopSettings, MicroLoss, RunLogger, run_loop
 from zcvae.loop.guards import StopSignals
 from zcvae.loop.setup import SetupPhases
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
-from zcvae.templates import collate, encode_examples
-
-
-
-# --------------------------------------------------------------------------- run directory
-def package_versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"python": sys.version.split()[0], "zcvae": __version__}
-    for name in ("torch", "transformers", "peft", "deepspeed", "safetensors", "tensorboard"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
-def git_revision() -> str | None:
-    try:
-        here = Path(__file__).resolve().parent
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        return rev.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    """Whether ``path`` is ``directory`` or lies inside it (symlinks resolved)."""
-    path, directory = path.resolve(), directory.resolve()
-    return path == directory or directory in path.parents
-
-
-def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, is_main: bool, log=print, keep: dict | None = None) -> None:
-    """Make ``run_dir`` ready for one run, or raise ValueError saying why it is not.
-
-    A non-empty directory holds an earlier run: writing a second run into it mixes metrics.jsonl,
-    overwrites run_config.json and lets keep-last pruning delete the other run's checkpoints, so it
-    is refused unless ``resume`` (continue it) or ``overwrite`` (delete it, after saying so). ``keep``
-    names paths (``{field: path}``) that ``overwrite`` must never delete. Every rank calls this before
-    any rank writes into the directory (rank 0 writes nothing there before the engine's first
-    collective), so every rank sees the same directory and raises the same error.
-    """
-    check_output_dir_path(run_dir)
-    try:
-        # the run lock (zcvae.lock) is this run's own, taken before this check
-        entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
-    except FileNotFoundError:
-        entries = []  # rank 0 deleted it for --overwrite while another rank looked
-    except OSError as err:
-        raise ValueError(f"output_dir {str(run_dir)!r} cannot be read: {err.strerror}") from None
-    if entries and not resume:
-        if not overwrite:
-            raise ValueError(
-                f"output_dir {str(run_dir)!r} is not empty (it holds {', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''}): "
-                f"pass --resume auto to continue that run, or --overwrite to delete it and start again, "
-                f"or choose another --output-dir"
-            )
-        if not any(name in entries for name in (RUN_CONFIG, METRICS, CHECKPOINTS, "tensorboard")):
-            raise ValueError(f"--overwrite deletes only a zcvae run directory; output_dir {str(run_dir)!r} holds other files "
-                             f"({', '.join(entries[:4])}): choose another --output-dir")
-        for name, path in (keep or {}).items():
-            if path and Path(path).exists() and _inside(Path(path), run_dir):
-                raise ValueError(f"--overwrite would delete {name} {str(path)!r}, which lies inside output_dir {str(run_dir)!r}")
-        if is_main:
-            log(f"[run] --overwrite: deleting the earlier run in {run_dir} ({', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''})")
-            # moved aside first, so a crash mid-delete leaves no half-deleted run that looks like a run; entry
-            # by entry (the files that make it a run first), as the run lock inside must stay where it is
-            doomed = run_dir.with_name(f"{run_dir.name}.deleting-{os.getpid()}")
-            doomed.mkdir()
-            for name in sorted(entries, key=lambda n: n not in (RUN_CONFIG, CHECKPOINTS)):
-                os.replace(run_dir / name, doomed / name)
-            shutil.rmtree(doomed)
-    if is_main:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ValueError(f"output_dir {str(run_dir)!r} cannot be created: {err.strerror}") from None
-    if run_dir.is_dir() and not os.access(run_dir, os.W_OK | os.X_OK):
-        raise ValueError(f"output_dir {str(run_dir)!r} is not writable")
-
-
-def check_output_dir_path(run_dir: Path) -> None:
-    """ValueError when ``run_dir`` is, or lies under, an existing file."""
-    for parent in (run_dir, *run_dir.parents):
-        if parent.exists() and not parent.is_dir():
-            where = "is an existing file" if parent == run_dir else f"lies under {str(parent)!r}, which is a file"
-            raise ValueError(f"output_dir {str(run_dir)!r} {where}; choose a directory with --output-dir")
+from zcvae.data.encoding import collate, encode_examples
 
 
 # --------------------------------------------------------------------------- the loop
@@ -222,7 +133,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
         return final_eval_metrics(run_dir)[1]
     if info.rank == 0:
         metadata = run_metadata(cfg, data.backbone, info.world_size, data.splits, data.train_report, data.val_report, reference,
-                                cpu=cpu, reference_health=data.health.to_dict())
+                                backbone_conversion=conversion_record(data.backbone), cpu=cpu, reference_health=data.health.to_dict())
         metadata.update(resume_changes_record(run_dir, state))
         atomic_write_json(run_dir / RUN_CONFIG, metadata)
 
@@ -244,7 +155,7 @@ def _start_processes(log, *, follow_cores: bool = False):
     is_main = info.rank == 0
     flushes = flush_denormals(log=log if is_main else None)
     limit_heap_retention()
-    # a fixed count unless --follow-cores (zcvae.distributed.cpu_threads: the count changes the last digits); the ranks
+    # a fixed count unless --follow-cores (zcvae.cpu.cpu_threads: the count changes the last digits); the ranks
     # of one job always keep theirs (torchrun sets OMP_NUM_THREADS=1 anyway)
     follow = follow_cores and info.world_size == 1
     follower, threads_from = cpu_threads(follow=follow) if info.device.type == "cpu" else (None, "torch default")
@@ -408,6 +319,7 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
         max_steps=cfg.optimization.max_steps, micro_batch_size=cfg.optimization.micro_batch_size, gradient_accumulation_steps=cfg.optimization.gradient_accumulation_steps,
         seed=cfg.optimization.seed, log_every=cfg.run.log_every, eval_every=cfg.evaluation.eval_every, save_every=cfg.run.save_every, max_grad_norm=cfg.optimization.max_grad_norm,
         skip_nonfinite_steps=cfg.run.skip_nonfinite_steps, progress_bar=cfg.run.progress_bar, run_name=cfg.run.run_name,
+        progress_metrics={"loss": ".3f", "kl": ".3f"},
         # the end of the KL delay: whether the decoder reads z when the KL starts (zcvae.eval.verdict.delay_end_note);
         # a delay that ends on evidence adds its step when it ends (CVAEObjective.end_step)
         eval_at=set() if (end := kl_delay_end(cfg)) is None else {end},
@@ -433,19 +345,16 @@ class CVAEObjective:
         self.eval_at, self.log = eval_at, log
         self.refresh_every = cfg.objective.reference_refresh_every
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> tuple[list, list[float]]:
+        """The step's KL weight, auxiliary weights and probe; this rank's collated micro-batches and their counts."""
         self.probing = self.probe is not None and (step + 1) % self.cfg.run.grad_probe_every == 0
         self.beta = kl_weight_at(self.cfg, step, delay_end=self.delay.ended_at)
         self.aux = AuxiliaryWeights.from_train_config(self.cfg, beta=self.beta)  # router support may follow beta
-
-    def batches(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> list:
-        return [collate([self.train[i] for i in mb], self.model.tokens, num_z_slots=self.cfg.slot_tokens).to(self.engine.device) for mb in micro]
-
-    def counts(self, batches) -> list[float]:
+        batches = [collate([self.train[i] for i in mb], self.model.tokens, num_z_slots=self.cfg.slot_tokens).to(self.engine.device) for mb in micro]
         # every kept example has n_i >= 1; tokens per example is the `token` mode's normaliser (core.losses)
-        return [float(sum(len(b) for b in batches)), float(sum(int(b.num_supervised.sum()) for b in batches))]
+        return batches, [float(sum(len(b) for b in batches)), float(sum(int(b.num_supervised.sum()) for b in batches))]
 
-    def micro_loss(self, batch, *, index: int, num_micro: int, micro: list[int], global_count, global_tokens, window) -> MicroLoss:
+    def micro_loss(self, batch, *, micro: list[int], num_micro: int, global_count, global_tokens) -> MicroLoss:
         engine = self.engine
         mean_num_tokens = global_tokens / global_count.clamp_min(1)
         ref_nll_BN = self.reference.ref_nll(engine, batch)  # before the training forward (ZeRO-3 ordering)
@@ -453,18 +362,17 @@ class CVAEObjective:
         terms = per_example_objective(out, ref_nll_BN=ref_nll_BN, c_base=self.reference.c_base.value, recon_config=self.recon_cfg,
                                       kl_weight=self.beta, aux=self.aux, mean_num_tokens=mean_num_tokens)
         loss = terms["loss"].sum() / global_count
+        router = {}  # the router's statistics for the metric window (a discrete latent's)
         if out.posterior is not None:
             local_q_K = (out.posterior * terms["valid"][:, None]).sum(0)
             # this global micro-batch's own count, not the step's: else the marginal sums to 1/accumulation
             global_qn = engine.all_reduce(torch.cat([local_q_K.detach(), terms["valid"].detach().float().sum()[None]]))
             marginal, router = marginal_router_terms(local_sum_q_K=local_q_K, global_sum_q_K=global_qn[:-1], global_count=global_qn[-1], aux=self.aux)
             loss = loss + marginal / num_micro
-            for name, value in router.items():
-                window.add_scalar(name, value)
         if self.probing:
             self.probe.accumulate(reconstruction=(terms["weighted_reconstruction_loss"] * terms["valid"]).sum() / global_count,
                                   kl=terms["kl"].sum() / global_count, examples=[self.train[i] for i in micro])
-        return MicroLoss(loss=loss, terms=terms, tokens=float(batch.num_supervised.sum()))
+        return MicroLoss(loss=loss, terms=terms, tokens=float(batch.num_supervised.sum()), scalars=router)
 
     def end_step(self, done: int) -> None:
         if self.refresh_every and done % self.refresh_every == 0:
@@ -503,9 +411,6 @@ class CVAEObjective:
     def window_metrics(self) -> dict[str, float]:
         return {"kl_weight": self.beta, "c_base": self.reference.c_base.value}
 
-    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
-        return {"loss": f"{metrics.get('loss', float('nan')):.3f}", "kl": f"{metrics.get('kl', float('nan')):.3f}"}
-
 
 def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
     """Limits checked before any step: ValueError when ``--max-length`` exceeds the positions the
@@ -521,63 +426,6 @@ def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
     if limit is not None and cfg.data.max_length > limit:
         raise ValueError(f"max_length {cfg.data.max_length} exceeds the backbone's {limit} positions (max_position_embeddings of "
                          f"{str(backbone)!r}); use --max-length {limit} or less")
-
-
-def resume_note(state: dict, cfg: TrainConfig) -> str:
-    """What the resume line adds: a raised ``max_steps`` (the schedules stretch) and allowed changes."""
-    saved = (state.get("meta") or {}).get("config") or {}
-    notes = []
-    if saved.get("max_steps") not in (None, cfg.optimization.max_steps):
-        notes.append(f"max_steps {saved['max_steps']} -> {cfg.optimization.max_steps}: the schedule's fractions (learning-rate warm-up "
-                     f"and decay, KL delay/ramp/cycles) now apply to the new total of {cfg.optimization.max_steps} steps")
-    for change in state.get("changes", []):
-        notes.append(f"{change['field']} {change['from']!r} -> {change['to']!r} from step {change['step']} (--resume-allow-change)")
-    return ("; " + "; ".join(notes)) if notes else ""
-
-
-def resume_changes_record(run_dir: Path, state: dict | None) -> dict:
-    """``{"resume_changes": [...]}``: the earlier run_config.json's list plus this resume's allowed changes
-    (each ``{field, from, to, step}``), so the record says which value held over which steps."""
-    from zcvae.runs.rundir import read_run_record
-
-    earlier = []
-    if state is not None:
-        try:
-            earlier = list(read_run_record(run_dir).get("resume_changes", []))
-        except ValueError:
-            earlier = []
-        # a step replayed after a crash drops the changes recorded from a later step
-        earlier = [c for c in earlier if c.get("step", 0) <= state["step"]]
-        earlier += state.get("changes", [])
-    return {"resume_changes": earlier} if earlier else {}
-
-
-def run_metadata(cfg, backbone, world_size, splits, train_report, val_report, reference, *, cpu=None, reference_health=None) -> dict:
-    return {
-        "config": cfg.to_sections(),  # nested; TrainConfig.from_dict and read_run_record read it flat too
-        "objective": cfg.objective.objective,
-        "kl_weight_factor": 1.0 if cfg.objective.kl_weight_factor is None else cfg.objective.kl_weight_factor,
-        "reconstruction_weight_factor": 1.0 if cfg.objective.reconstruction_weight_factor is None else cfg.objective.reconstruction_weight_factor,
-        # measured at start-up: whether a subnormal times 1 came out 0, and the threads the steps ran on
-        "cpu": cpu,
-        "backbone": str(Path(backbone).resolve()),
-        # the GGUF file and quantization the weights were dequantized from; None for a plain checkpoint
-        "backbone_conversion": conversion_record(backbone),
-        "reconstruction_loss_token_aggregation_mode": cfg.objective.reconstruction_loss_token_aggregation_mode,
-        "c_base": reference.c_base.to_dict(),
-        "reference_policy": reference.policy,
-        # zcvae.reference.health: markers the backbone lacked, c_base against its floor or threshold, warnings
-        "reference_health": reference_health,
-        "world_size": world_size,
-        "data": {
-            "source": splits.source,
-            "train": {"examples": train_report.num_examples, "kept": train_report.num_kept, "skipped": train_report.num_skipped, "x_truncated": train_report.num_x_truncated, "unknown_tokens": train_report.num_unknown_tokens},
-            "val": {"examples": val_report.num_examples, "kept": val_report.num_kept, "skipped": val_report.num_skipped, "x_truncated": val_report.num_x_truncated, "unknown_tokens": val_report.num_unknown_tokens},
-        },
-        "versions": package_versions(),
-        "git_revision": git_revision(),
-        "command": sys.argv,
-    }
 
 
 def default_backbone(cfg: TrainConfig, *, log=print) -> str:

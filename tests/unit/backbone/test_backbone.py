@@ -17,7 +17,7 @@ from zcvae.backbone.stage_eval import evaluate_nll
 from zcvae.backbone.stage_model import tiny_llama_config
 from zcvae.core.schedule import lr_multiplier
 from zcvae.data import Example, build_tokenizer, make_examples, write_jsonl
-from zcvae.templates import IGNORE_INDEX, collate, encode_examples, prepare_tokenizer
+from zcvae.data.encoding import IGNORE_INDEX, collate, encode_examples, prepare_tokenizer
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 
@@ -200,7 +200,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 @pytest.mark.parametrize("template", ["zfree", "znull"])
 def test_generate_y_is_the_argmax_continuation_of_each_prompt(tiny_llama, template):
     from zcvae.backbone.stage_eval import generate_y
-    from zcvae.templates import TemplateLayout
+    from zcvae.data.encoding import TemplateLayout
 
     tokenizer = build_tokenizer()
     tokens = prepare_tokenizer(tokenizer, num_latents=0)

@@ -18,7 +18,7 @@ import torch
 from zcvae.backbone.pretraining import pretrain
 from zcvae.backbone.stage_config import PretrainConfig, is_pretrained
 from zcvae.backbone.stage_eval import evaluate_nll
-from zcvae.templates import TemplateLayout
+from zcvae.data.encoding import TemplateLayout
 
 
 def stage_config(backbone: Path, out: Path, **overrides) -> PretrainConfig:
@@ -38,7 +38,7 @@ def load_plain(directory: Path):
 def reloaded_val_nll(out: Path, summary: dict) -> float:
     """The z-free validation NLL of the *saved* checkpoint, on the stage's own validation split."""
     from zcvae.backbone.stage_data import encode_split, load_data
-    from zcvae.templates import template_tokens
+    from zcvae.data.encoding import template_tokens
 
     model, tok = load_plain(out)
     tokens = template_tokens(tok, num_latents=0)

@@ -345,7 +345,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def setup(tiny_backbone):
     from zcvae.data import get_task, make_examples
-    from zcvae.templates import encode_examples
+    from zcvae.data.encoding import encode_examples
 
     backbone = tiny_backbone(hidden_size=16, num_layers=1, intermediate_size=32)
     task = get_task("copy")
@@ -364,7 +364,7 @@ def setup(tiny_backbone):
 def _build_model(cfg):
     from zcvae.data import get_task, make_examples
     from zcvae.model.cvae import ZCVAE
-    from zcvae.templates import collate, encode_examples
+    from zcvae.data.encoding import collate, encode_examples
 
     model = ZCVAE.from_pretrained(cfg.model.backbone, cfg.model_config(), seed=0)
     calib, _ = encode_examples(make_examples(get_task("copy"), seed=1, split="train", num_examples=8), model.tokenizer,
@@ -462,7 +462,7 @@ def test_evaluate_returns_every_metric_writes_files_and_restores_train_mode(setu
 def test_evaluate_losses_and_mi_match_a_direct_whole_set_forward(setup):
     """The reductions over shards and batches equal one forward over the whole set (independent path)."""
     from zcvae.core.objective import AuxiliaryWeights, per_example_objective
-    from zcvae.templates import collate
+    from zcvae.data.encoding import collate
 
     s = setup
     metrics = evaluate(engine=s.engine, model=s.model, cfg=s.cfg, val=s.val, reference=s.reference, task=None,

@@ -18,7 +18,7 @@ from zcvae.commands.cli import main as cli_main
 from zcvae.config import TrainConfig
 from zcvae.export.load import load_for_inference
 from zcvae.model.cvae import ZCVAE
-from zcvae.templates import EncodedExample, collate
+from zcvae.data.encoding import EncodedExample, collate
 from tiny_models import greedy_reference as decode_reference
 
 C_BASE = {"value": 0.25, "mode": "sum", "fingerprint": "f00d", "source": "validation"}

@@ -17,7 +17,7 @@ from zcvae.backbone.stage_eval import generate_y
 from zcvae.data import make_examples
 from zcvae.model.config import ModelConfig
 from zcvae.model.decoding import KVCache, greedy_decode
-from zcvae.templates import TemplateLayout, encode_examples
+from zcvae.data.encoding import TemplateLayout, encode_examples
 
 NUM_STEPS = 6
 

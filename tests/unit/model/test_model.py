@@ -14,7 +14,7 @@ from zcvae.core.latent import gaussian_kl
 from zcvae.core.losses import gather_span, token_nll
 from zcvae.model.config import ModelConfig
 from zcvae.model.cvae import ZCVAE
-from zcvae.templates import collate, encode_examples
+from zcvae.data.encoding import collate, encode_examples
 
 
 def make_batch(model: ZCVAE, *, num_examples: int = 4, seed: int = 0):

@@ -15,7 +15,7 @@ from zcvae.engines.base import trainable_named_parameters
 from zcvae.model import hf_compat
 from zcvae.model.config import ModelConfig
 from zcvae.model.cvae import REFERENCE_ADAPTER, ZCVAE
-from zcvae.templates import collate, encode_examples
+from zcvae.data.encoding import collate, encode_examples
 
 
 @pytest.fixture(params=["tiny", "fresh-markers-tied"])

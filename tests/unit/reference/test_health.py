@@ -31,7 +31,7 @@ from zcvae.reference.health import (
     closure_note,
     entangled_command,
 )
-from zcvae.templates import MARKERS, EncodedExample, collate, missing_markers
+from zcvae.data.encoding import MARKERS, EncodedExample, collate, missing_markers
 
 C_BASE = {"value": 0.25, "mode": "mean", "fingerprint": "f00d", "source": "validation"}
 
@@ -213,7 +213,7 @@ def _model(backbone, *, train_fresh_markers: bool):
 
 def _batch(model):
     from zcvae.data import make_examples
-    from zcvae.templates import encode_examples
+    from zcvae.data.encoding import encode_examples
 
     encoded, _ = encode_examples(make_examples("copy", seed=0, split="train", num_examples=4), model.tokenizer, model.tokens,
                                  max_length=32, num_z_slots=1)

@@ -35,7 +35,7 @@ from zcvae.reference.store import (
     sidecar_path,
     store_path,
 )
-from zcvae.templates import EncodedExample, TemplateTokens, collate
+from zcvae.data.encoding import EncodedExample, TemplateTokens, collate
 
 TOKENS = TemplateTokens(bos=1, eos=2, pad=0, x_open=3, x_close=4, z_open=5, z_close=6, y_open=7, y_close=8, znull=9)
 VOCAB = 24

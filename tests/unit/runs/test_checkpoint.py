@@ -20,7 +20,7 @@ from zcvae.runs.checkpoint import COMPLETE, CheckpointManager, checkpoint_dirs, 
 from zcvae.engines import EngineConfig, build_engine
 from zcvae.model.config import ModelConfig
 from zcvae.model.cvae import ZCVAE
-from zcvae.templates import EncodedExample, collate
+from zcvae.data.encoding import EncodedExample, collate
 
 C_BASE = {"value": 0.5, "mode": "mean", "fingerprint": "abc123", "source": "validation"}
 

@@ -72,3 +72,37 @@ def test_final_eval_metrics_is_the_last_eval_record_numbers_only(tmp_path):
     ]
     (tmp_path / METRICS).write_text("\n".join(json.dumps(r) for r in lines) + '\n{"split": "eval", "st')
     assert final_eval_metrics(tmp_path) == (8, {"nmi": 0.3, "exact_match": 1})
+
+
+def test_prepare_run_dir_refuses_what_it_may_not_replace_and_moves_an_old_run_aside(tmp_path):
+    from zcvae.runs.lock import LOCK_FILE
+    from zcvae.runs.rundir import prepare_run_dir
+
+    run_dir, lines = tmp_path / "run", []
+    prepare_run_dir(run_dir, resume=False, overwrite=False, is_main=True, log=lines.append)
+    assert run_dir.is_dir() and not lines  # a new directory: made, nothing said
+    (run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not empty .* --resume auto .* --overwrite"):
+        prepare_run_dir(run_dir, resume=False, overwrite=False, is_main=True)
+    with pytest.raises(ValueError, match="deletes only a zcvae run directory"):
+        prepare_run_dir(run_dir, resume=False, overwrite=True, is_main=True)
+    (run_dir / RUN_CONFIG).write_text("{}")
+    (run_dir / "data.jsonl").write_text("")
+    with pytest.raises(ValueError, match="would delete train_data"):
+        prepare_run_dir(run_dir, resume=False, overwrite=True, is_main=True, keep={"train_data": run_dir / "data.jsonl"})
+    prepare_run_dir(run_dir, resume=True, overwrite=False, is_main=True)  # a resume keeps everything
+    assert (run_dir / RUN_CONFIG).exists()
+    (run_dir / LOCK_FILE).write_text("")  # the run's own lock stays where it is
+    prepare_run_dir(run_dir, resume=False, overwrite=True, is_main=True, log=lines.append)
+    assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE] and not list(tmp_path.glob("run.deleting-*"))
+    assert lines and lines[0].startswith("[run] --overwrite: deleting the earlier run")
+
+
+def test_an_output_dir_under_a_file_is_refused(tmp_path):
+    from zcvae.runs.rundir import check_output_dir_path
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match="is an existing file"):
+        check_output_dir_path(tmp_path / "afile")
+    with pytest.raises(ValueError, match="lies under .*afile.*, which is a file"):
+        check_output_dir_path(tmp_path / "afile" / "run")

@@ -17,7 +17,7 @@ def _model_and_batches(backbone, *, checkpointing: bool):
     from zcvae.config import TrainConfig
     from zcvae.data import get_task, make_examples
     from zcvae.model.cvae import ZCVAE
-    from zcvae.templates import collate, encode_examples
+    from zcvae.data.encoding import collate, encode_examples
 
     extra = dict(gradient_checkpointing=True, branch_chunk_size=3) if checkpointing else {}
     cfg = TrainConfig.from_flat(task="copy", backbone=str(backbone), objective="raw+tokcc", num_latents=2, **extra)
@@ -122,7 +122,7 @@ def test_probe_ratio_is_absent_at_beta_zero_and_the_norms_are_global_over_ranks(
 
 def test_decision_fractions_count_the_decision_positions_over_the_supervised_tokens():
     from zcvae.data import build_tokenizer, get_task, make_examples
-    from zcvae.templates import encode_examples, prepare_tokenizer
+    from zcvae.data.encoding import encode_examples, prepare_tokenizer
 
     tok = build_tokenizer()
     tokens = prepare_tokenizer(tok, num_latents=3)

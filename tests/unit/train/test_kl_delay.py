@@ -28,7 +28,7 @@ def _decoder(backbone, *, reads_z: bool):
     then follows z."""
     from zcvae.data import get_task, make_examples
     from zcvae.model.cvae import ZCVAE
-    from zcvae.templates import collate, encode_examples
+    from zcvae.data.encoding import collate, encode_examples
 
     cfg = TrainConfig.from_flat(task="copy", backbone=str(backbone), num_latents=3)
     model = ZCVAE.from_pretrained(cfg.model.backbone, cfg.model_config(), seed=0)

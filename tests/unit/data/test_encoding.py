@@ -1,11 +1,11 @@
-"""Templates: marker ids, the length policy, and that both templates hold the same supervised span."""
+"""Template encoding (zcvae.data.encoding): marker ids, the length policy, and that both templates hold the same supervised span."""
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from zcvae.templates import (
+from zcvae.data.encoding import (
     IGNORE_INDEX,
     EncodedExample,
     collate,
@@ -90,23 +90,22 @@ def test_batch_to_keeps_python_fields(tokenizer):
 def test_the_reference_fingerprint_text_is_rendered_from_the_template_and_unchanged():
     # Byte-identical to the hand-kept string it replaced: otherwise every stored reference store
     # would silently stop matching its fingerprint and be rebuilt.
-    from zcvae.templates import TemplateLayout
+    from zcvae.data.encoding import TemplateLayout
 
     want = "<bos> <x> {x} </x> <y> {y} </y> <eos>; supervised: y + </y>"
     assert TemplateLayout.fingerprint_text() == want
 
 
 def test_markers_have_one_home():
-    from zcvae import templates
-    from zcvae.data import tokenizer
+    from zcvae.data import encoding, tokenizer
 
-    assert templates.MARKERS is tokenizer.TEMPLATE_TOKENS is templates.TemplateLayout.MARKERS
-    assert (templates.X_OPEN, templates.Y_CLOSE, templates.ZNULL) == ("<x>", "</y>", "<znull>")
+    assert encoding.MARKERS is tokenizer.TEMPLATE_TOKENS is encoding.TemplateLayout.MARKERS
+    assert (encoding.X_OPEN, encoding.Y_CLOSE, encoding.ZNULL) == ("<x>", "</y>", "<znull>")
 
 
 @pytest.mark.parametrize("num_z_slots", [1, 3])
 def test_layout_positions_point_at_the_markers_of_both_sequences(tokenizer, num_z_slots):
-    from zcvae.templates import TemplateLayout
+    from zcvae.data.encoding import TemplateLayout
 
     tokens = prepare_tokenizer(tokenizer, num_latents=2, num_z_slots=num_z_slots)
     layout = TemplateLayout(num_z_slots)
@@ -131,7 +130,7 @@ def test_layout_positions_point_at_the_markers_of_both_sequences(tokenizer, num_
 
 
 def test_batch_prefix_length_is_the_layouts(tokenizer):
-    from zcvae.templates import TemplateLayout
+    from zcvae.data.encoding import TemplateLayout
 
     tokens = prepare_tokenizer(tokenizer, num_latents=1)
     batch = collate([EncodedExample("a", (1, 2), (3,)), EncodedExample("b", (), (4, 5))], tokens)

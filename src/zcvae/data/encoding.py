@@ -1,4 +1,4 @@
-"""Sequence templates, tokenisation policy and batch collation.
+"""How an example becomes model input: the sequence templates, the tokenisation policy, ``Batch`` and collation.
 
 Two templates share one supervised span::
 
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     import torch
 
-# torch is imported inside the functions that build tensors: zcvae.data, whose tokenizer takes the
-# marker strings from here, stays importable without torch.
+# torch is imported inside the functions that build tensors: zcvae.data (its tokenizer takes the
+# marker strings from here) stays importable without torch.
 
 IGNORE_INDEX = -100
 
