@@ -193,7 +193,12 @@ def cpu_threads(*, follow: bool = False) -> tuple[CoreFollower | None, str]:
     ``OMP_NUM_THREADS`` still fixes the count.
     """
     if "OMP_NUM_THREADS" in os.environ:
-        return None, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+        # set here too, not only read by OpenMP at start-up: a process that set it after importing torch (the
+        # demo, around its in-process pretraining) would otherwise keep torch's default count
+        omp = os.environ["OMP_NUM_THREADS"]
+        if omp.isdigit() and int(omp) >= 1:  # OpenMP's nested lists ("4,2") are left to OpenMP
+            torch.set_num_threads(int(omp))
+        return None, f"OMP_NUM_THREADS={omp}"
     start = os.environ.get(START_THREADS_ENV)
     if start is not None:
         if not start.isdigit() or int(start) < 1:

@@ -107,8 +107,9 @@ def test_without_proc_stat_the_follower_keeps_the_count(monkeypatch, threads):
 def test_omp_num_threads_fixes_the_count_and_nothing_follows(monkeypatch, threads):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv(START_THREADS_ENV, "2")  # the user's fixed count wins over a launcher's start
+    torch.set_num_threads(2)  # as torch started, before the variable was set (the demo sets it in-process)
     follower, source = cpu_threads()
-    assert follower is None and source == "OMP_NUM_THREADS=1"
+    assert follower is None and source == "OMP_NUM_THREADS=1" and torch.get_num_threads() == 1
 
 
 def test_a_launcher_sets_the_count_and_only_follow_cores_follows_from_there(monkeypatch, threads):
