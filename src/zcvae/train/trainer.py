@@ -92,7 +92,7 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
 
     # 2. data and backbone
     with phases.phase("loading the backbone"):
-        data = _load_data_and_model(cfg, say=say)
+        data = _load_data_and_model(cfg, say=say, cpu=cpu)
     cfg, model, train_enc, val_enc = data.cfg, data.model, data.train_enc, data.val_enc
 
     # 3. engine and optimizer (a sharded build gets its weights here); fail loudly if a latent parameter would not train
@@ -154,7 +154,6 @@ def _start_processes(log, *, follow_cores: bool = False):
     info = init_distributed()
     is_main = info.rank == 0
     flushes = flush_denormals(log=log if is_main else None)
-    limit_heap_retention()
     # a fixed count unless --follow-cores (zcvae.cpu.cpu_threads: the count changes the last digits); the ranks
     # of one job always keep theirs (torchrun sets OMP_NUM_THREADS=1 anyway)
     follow = follow_cores and info.world_size == 1
@@ -180,8 +179,9 @@ class _RunData:
     calibration: object  # the batch the router's statistics come from (calibrated through the engine)
 
 
-def _load_data_and_model(cfg: TrainConfig, *, say) -> _RunData:
-    """Splits, backbone (marker check before its weights load), model, encoded examples, the KL factor, calibration."""
+def _load_data_and_model(cfg: TrainConfig, *, say, cpu: dict) -> _RunData:
+    """Splits, backbone (marker check before its weights load), model, encoded examples, the KL factor, calibration.
+    ``cpu``: the run's CPU record, which gets ``heap_limit`` (whether glibc's heap is capped for this backbone)."""
     from zcvae.engines import sharded_loading
     from zcvae.model.cvae import ZCVAE
     from zcvae.reference.health import check_markers
@@ -192,6 +192,8 @@ def _load_data_and_model(cfg: TrainConfig, *, say) -> _RunData:
         say(f"[backbone] {backbone}: {describe_conversion(conversion)}")
     # exits 2 (ValueError) on a backbone without the template markers, before its weights load
     health = check_markers(cfg, backbone, log=say)
+    # before the weights load: a large backbone's freed tensors go back to the system (zcvae.cpu.limit_heap_retention)
+    cpu["heap_limit"] = limit_heap_retention(weight_bytes=sum(f.stat().st_size for f in Path(backbone).glob("*.safetensors")))
     # ZeRO-3 and FSDP2 build the model without its weights (each rank later keeps its shard); the others load it whole
     loading = sharded_loading(cfg.engine_config())
     model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.optimization.seed, loading=loading)
