@@ -59,6 +59,9 @@ class ToyObjective:
     def state_dict(self):
         return {"calls": len(self.calls)}
 
+    def state_tensors(self):
+        return {}
+
 
 class Recorder:
     def __init__(self):
