@@ -193,7 +193,7 @@ def cpu_threads(*, follow: bool = False) -> tuple[CoreFollower | None, str]:
     can amplify those into another outcome. A count taken from the load would make a fixed-seed run depend on
     whatever else runs on the machine.
 
-    ``follow`` (``--follow-cores``): the old speed-first policy. Start on the launcher's count or on the cores
+    ``follow`` (``--follow-cores``): speed first. Start on the launcher's count or on the cores
     idle now (:func:`free_cpu_cores`: OpenMP threads that share a busy core spin-wait, up to 10x slower), then
     follow the cores the others leave free (:class:`CoreFollower`); the numbers then depend on the load.
     ``OMP_NUM_THREADS`` still fixes the count.

@@ -2,7 +2,6 @@
 and `zcvae train` records its CPU set-up, objective and kl-weight-scale factor."""
 
 import json
-import os
 import shutil
 
 from zcvae.runs.rundir import read_run_record  # run_config.json's config, flat, of either layout
@@ -62,12 +61,13 @@ def test_local_sweep_runs_resumes_and_prints_seed_groups(cli, tiny_backbone, tmp
     assert (out / "table.md").read_text().splitlines() == printed
     for name in runs:
         meta = read_run_record(out / name)
-        # --jobs: each starts on one thread, then follows the free cores after each log window
+        # --jobs: each runs on one thread, fixed (zcvae.cpu.cpu_threads: a count that followed the free cores would make
+        # the numbers depend on the other runs)
         assert meta["config"]["run_name"] == name and meta["cpu"]["num_threads"] == 1
-        assert meta["cpu"]["num_threads_from"] == "ZCVAE_START_THREADS=1, then the free cores at each log step"
+        assert meta["cpu"]["num_threads_from"] == "ZCVAE_START_THREADS=1"
         rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in rows if r["split"] == "train"]
-        assert train and all(1 <= r["num_threads"] <= len(os.sched_getaffinity(0)) for r in train)
+        assert train and all(r.get("num_threads", 1) == 1 for r in train)
 
     kept = out / runs[0] / "metrics.jsonl"
     before = kept.read_text()

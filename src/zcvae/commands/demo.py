@@ -6,7 +6,8 @@
    sweep runner (:func:`zcvae.sweep.local.run_local`; finished runs are skipped, so an interrupted demo
    resumes), ``--seeds N`` seeds each, two at a time:
    raw mean (the collapse control: z unused) | the former default (``--objective raw+dist``, mean mode,
-   the ``</y>`` state: two of the three strategies merge into one latent) | the default (no objective
+   the ``</y>`` state: at 300 x 64 two of the three strategies merge into one latent; at the demo's 300 x 16 z
+   collapses, docs/results/demo.md) | the default (no objective
    flag, the ``default`` preset: mean mode at a sequence's scale, mean pooling, 60% KL delay, router
    support, the decision tokens weighted: one latent per strategy). The controls run at a quarter of the rows
    (``DEMO_BUDGET``).
@@ -38,8 +39,8 @@ DEMO_NUM_LATENTS = 3
 
 # The demo's compute budget, in one place: backbone pretraining steps, steps per run, and the batch of the
 # default (the budget of the late-decision tables, docs/results/late-decisions.md, 300 x 64) and of the two controls. The controls
-# show a failure that holds at every batch we ran, 16, 32 and 64 (raw mean collapses, the former default
-# merges: docs/results/demo.md), so they run at a quarter of the rows, which keeps the demo near its
+# fail at every batch we ran, 16, 32 and 64 (raw mean collapses; the former default merges two strategies, or at 16
+# rows loses z altogether: docs/results/demo.md), so they run at a quarter of the rows, which keeps the demo near its
 # 600 s / 1,100 CPU-s goal (BENCHMARKS.md, "The demo"); the default keeps the batch its 3-seed table was measured
 # at (at 48 rows one sort3 seed of three merged).
 DEMO_BUDGET = {"pretrain_steps": 800, "max_steps": 300, "micro_batch_size": 64, "control_micro_batch_size": 16}
