@@ -132,6 +132,7 @@ def main() -> None:
             traceback.print_exc()
         zdist.barrier()
         print(f"[rank {info.rank}] {name} done at {time.time() - start:.1f} s", flush=True)
+    zdist.shutdown_distributed()  # a live gloo group can abort the process at exit (SIGABRT) after the work is done
     sys.exit(1 if failed else 0)
 
 

@@ -91,6 +91,9 @@ def _worker(argv: list[str]) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(REPO, "src"))
     _worker(sys.argv[1:])
+    from zcvae.distributed import shutdown_distributed  # a live gloo group can abort the process at exit
+
+    shutdown_distributed()
 else:
     import launcher as C
     import pytest

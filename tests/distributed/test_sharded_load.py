@@ -78,3 +78,7 @@ def _worker(backbone: str, engine_name: str, ckpt: str) -> None:
 
 if __name__ == "__main__":
     _worker(*sys.argv[1:4])
+    # a live gloo group can abort the process at exit (SIGABRT) after the work is done
+    from zcvae.distributed import shutdown_distributed
+
+    shutdown_distributed()
