@@ -58,6 +58,15 @@ def _build_tiny_llama(vocab_size: int, *, seed: int, special_ids: dict[str, int 
     return LlamaForCausalLM(config)
 
 
+@pytest.fixture
+def logged():
+    """The text of every record the ``zcvae`` loggers emit during the test (at their levels; any rank), in order."""
+    from zcvae.console import capture_lines
+
+    with capture_lines() as lines:
+        yield lines
+
+
 @pytest.fixture(scope="session")
 def tiny_llama() -> Callable[..., torch.nn.Module]:
     """Factory ``tiny_llama(vocab_size, *, seed=0, **sizes) -> LlamaForCausalLM`` in eval mode, not saved.

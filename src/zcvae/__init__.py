@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import importlib
 
+from zcvae import console as _console
 from zcvae._version import __version__
+
+_console.install()  # the zcvae logger's one handler: stdout, rank 0 (zcvae.console)
 
 _API = {
     "ZCVAE": "zcvae.model.cvae",

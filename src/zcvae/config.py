@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import types
 import typing
@@ -33,6 +34,8 @@ from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY, term_by_abbreviation,
 from zcvae.presets import DEFAULT
 from zcvae.runs.sinks import DEFAULT_REPORT_TO, sink_names
 from zcvae.strict import StrictDataclass
+
+logger = logging.getLogger(__name__)
 
 
 def _f(default, help: str, **kw):
@@ -684,7 +687,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def resolve_scale_factors(cfg: TrainConfig, *, mean_num_tokens: float, say=lambda _: None) -> TrainConfig:
+def resolve_scale_factors(cfg: TrainConfig, *, mean_num_tokens: float) -> TrainConfig:
     """``cfg`` with the factors that ``kl_weight_scale`` and ``reconstruction_weight_scale`` ask for, read
     from the data (``mean_num_tokens``: the validation mean of n_i); a factor already set (a resumed run)
     stays. The trainer calls this once, before the first step, and records both in run_config.json."""
@@ -693,7 +696,7 @@ def resolve_scale_factors(cfg: TrainConfig, *, mean_num_tokens: float, say=lambd
         # the explicit beta control of sum aggregation: sum scales reconstruction by ~mean n_i, so
         # beta x mean n_i keeps the KL's share of J where mean aggregation has it (docs/objective.md)
         cfg = cfg.replace(kl_weight_factor=float(mean_num_tokens))
-        say(f"[kl] kl-weight-scale tokens: beta {o.kl_weight:g} x validation mean n_i {mean_num_tokens:.4g} = {cfg.effective_kl_weight:.4g}")
+        logger.info(f"[kl] kl-weight-scale tokens: beta {o.kl_weight:g} x validation mean n_i {mean_num_tokens:.4g} = {cfg.effective_kl_weight:.4g}")
     if o.reconstruction_weight_scale == "tokens" and o.reconstruction_weight_factor is None:
         # mean (and token) aggregation divide each example's reconstruction by about n_i while the KL stays per
         # example: x mean n_i gives the mode-unit terms a sequence's size against the KL, and under mean every
@@ -703,7 +706,7 @@ def resolve_scale_factors(cfg: TrainConfig, *, mean_num_tokens: float, say=lambd
         else:
             factor, what = float(mean_num_tokens), "validation mean n_i"
         cfg = cfg.replace(reconstruction_weight_factor=factor)
-        say(f"[recon] reconstruction-weight-scale tokens: the raw and tok weights x {what} {factor:.4g}")
+        logger.info(f"[recon] reconstruction-weight-scale tokens: the raw and tok weights x {what} {factor:.4g}")
     return cfg
 
 

@@ -8,16 +8,19 @@ This is no distributed code: each process sets its own, whatever the world size.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["START_THREADS_ENV", "CoreFollower", "busy_cpu_cores", "cpu_threads", "flush_denormals", "free_cpu_cores",
            "limit_heap_retention"]
 
 
-def flush_denormals(*, log=None) -> bool:
+def flush_denormals() -> bool:
     """Make this process's CPU math flush subnormal floats to zero; returns whether the CPU supports it.
 
     Why: once the posterior collapses, the gradients and AdamW moments of unused z rows and router
@@ -27,8 +30,10 @@ def flush_denormals(*, log=None) -> bool:
     torch.set_flush_denormal(True)
     # Measured rather than taken from the return value: a subnormal times one must come out zero.
     supported = bool((torch.tensor(1e-40, dtype=torch.float32) * 1.0).item() == 0.0)
-    if log is not None:
-        log("cpu: subnormal floats flushed to zero" if supported else "cpu: this CPU cannot flush subnormal floats; steps may slow once gradients decay")
+    if supported:
+        logger.debug("cpu: subnormal floats flushed to zero")
+    else:
+        logger.warning("cpu: this CPU cannot flush subnormal floats; steps may slow once gradients decay")
     return supported
 
 

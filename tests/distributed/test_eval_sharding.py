@@ -56,8 +56,7 @@ def run_evaluation(backbone: str, engine_name: str, run_dir: str | None) -> dict
             p.copy_(torch.randn(p.shape, generator=g))
     groups = model.param_groups(lora_lr=1e-3, latent_lr=1e-2, weight_decay=0.0)
     engine = build_engine(cfg.engine_config(), model=model, param_groups=groups, learning_rate=1e-3)
-    reference = ReferenceProvider.build(cfg, engine=engine, model=model, backbone=backbone, train=val, val=val, passes=1.0,
-                                        log=lambda *a: None)
+    reference = ReferenceProvider.build(cfg, engine=engine, model=model, backbone=backbone, train=val, val=val, passes=1.0)
     # NUM_VAL examples are below the label counts that make gold metrics trustworthy; this test compares
     # ranks with one process, so it scores them anyway (test_faults.py checks the thresholds)
     saved = summary_module.MIN_LABELLED, summary_module.MIN_LABELLED_PER_STRATEGY

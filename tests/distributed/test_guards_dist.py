@@ -43,7 +43,7 @@ def _worker(out: str) -> None:
     for scenario in ("signal", "diverge"):
         seen = []
         with StopSignals() as signals:
-            guard = StepGuard(signals=signals, log=lambda *a: None)
+            guard = StepGuard(signals=signals)
             for step in range(1, 6):
                 if scenario == "signal" and step == 3 and info.rank == 1:
                     os.kill(os.getpid(), signal.SIGUSR1)

@@ -159,7 +159,7 @@ def test_01_overwrite_keeps_the_lock_while_it_moves_the_old_run_aside(run, tmp_p
     shutil.copytree(run[0], old)
     lock = RunLock(old).acquire()
     inode = lock.path.stat().st_ino
-    prepare_run_dir(old, resume=False, overwrite=True, is_main=True, log=lambda *a: None)
+    prepare_run_dir(old, resume=False, overwrite=True, is_main=True)
     assert [p.name for p in old.iterdir()] == ["zcvae.lock"] and lock.path.stat().st_ino == inode
     with pytest.raises(ValueError, match="in use"):
         RunLock(old).acquire()
@@ -215,11 +215,9 @@ def _step_terms(loss: float) -> tuple[dict, torch.Tensor]:
     return {"valid": torch.ones(2), "weighted_reconstruction_loss": value, "kl": torch.zeros(2)}, value.sum() / 2
 
 
-def test_02_skip_nonfinite_steps_passes_over_n_steps_logging_each_then_stops():
+def test_02_skip_nonfinite_steps_passes_over_n_steps_logging_each_then_stops(logged):
     from zcvae.loop.guards import StepGuard, TrainingDiverged
-
-    logged = []
-    guard = StepGuard(skip_budget=2, log=logged.append)
+    guard = StepGuard(skip_budget=2)
     count = torch.tensor(2.0)
     guard.add(*_step_terms(1.5))
     assert guard.check(_OneRank(), step=1, grad_norm=0.5, global_count=count) == "ok"
@@ -233,7 +231,7 @@ def test_02_skip_nonfinite_steps_passes_over_n_steps_logging_each_then_stops():
         guard.check(_OneRank(), step=4, grad_norm=float("nan"), global_count=count)
     assert "last finite values at step 1: loss 1.5, grad_norm 0.5" in str(err.value) and "2 earlier" in str(err.value)
     # a non-finite loss whose update did happen (finite gradient norm) is never passed over
-    guard = StepGuard(skip_budget=5, log=logged.append)
+    guard = StepGuard(skip_budget=5)
     guard.add(*_step_terms(float("nan")))
     with pytest.raises(TrainingDiverged, match="no step before it was finite"):
         guard.check(_OneRank(), step=1, grad_norm=0.1, global_count=count)

@@ -121,7 +121,7 @@ def _check_marker_rows_trained(run_dir: Path, smollm2) -> None:
     assert (moved[: len(MARKERS) - 1] > 0).all(), f"marker rows did not train: {moved.tolist()}"
 
 
-def test_conversion_is_exact_and_recorded(smollm2):
+def test_conversion_is_exact_and_recorded(smollm2, logged):
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from safetensors import safe_open
@@ -146,8 +146,8 @@ def test_conversion_is_exact_and_recorded(smollm2):
 
     # converting again into the same directory is a no-op (keyed by the file's sha256)
     before = (smollm2.dir / "model.safetensors").stat().st_mtime_ns
-    lines: list[str] = []
-    assert convert_gguf(GGUF, smollm2.dir, log=lines.append) == smollm2.dir
+    lines = logged
+    assert convert_gguf(GGUF, smollm2.dir) == smollm2.dir
     assert "up to date" in lines[0] and (smollm2.dir / "model.safetensors").stat().st_mtime_ns == before
 
 

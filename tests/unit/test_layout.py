@@ -10,7 +10,7 @@ import zcvae
 
 # From the bottom (docs/guide/layout.md). Units on one level do not import each other.
 LAYERS = (
-    ("strict", "_version", "presets"),  # presets: package data (YAML files) and the names that find them
+    ("strict", "_version", "presets", "console"),  # console: the logging setup every command shares  # presets: package data (YAML files) and the names that find them
     ("core", "distributed", "cpu"),  # cpu: the thread and memory policy of one process
     ("runs",),  # run names read the reconstruction-term registry (core/terms.py)
     ("data",),

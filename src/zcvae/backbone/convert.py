@@ -33,18 +33,20 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import struct
 import sys
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
 
 from zcvae.runs.rundir import cache_root
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "GGUF_RECORD",
@@ -144,14 +146,14 @@ def _gguf_header(path: Path) -> dict:
     }
 
 
-def _write_conversion(path: Path, tmp: Path, *, sha256: str, log: Callable[[str], None]) -> None:
+def _write_conversion(path: Path, tmp: Path, *, sha256: str) -> None:
     """Load ``path`` with transformers (dequantizing), save a plain checkpoint and the record into ``tmp``."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     header = _gguf_header(path)
-    log(f"[gguf] converting {path} ({header['file_type']}, {header['num_tensors']} tensors) into {tmp.name}")
+    logger.info(f"[gguf] converting {path} ({header['file_type']}, {header['num_tensors']} tensors) into {tmp.name}")
     source = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name, local_files_only=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(**source)
@@ -197,7 +199,6 @@ def convert_gguf(
     out: str | os.PathLike,
     *,
     sha256: str | None = None,
-    log: Callable[[str], None] = print,
 ) -> Path:
     """Convert ``gguf_file`` into the Hugging Face checkpoint directory ``out``; return ``out``.
 
@@ -213,7 +214,7 @@ def convert_gguf(
     sha256 = sha256 or file_sha256(path)
     existing = conversion_record(out) if out.is_dir() else None
     if _is_complete(out, sha256):
-        log(f"[gguf] {out} is up to date ({describe_conversion(existing)})")
+        logger.info(f"[gguf] {out} is up to date ({describe_conversion(existing)})")
         return out
     if out.exists() and existing is None:
         raise ValueError(f"--out {str(out)!r} exists and is not a zcvae GGUF conversion; choose another directory")
@@ -222,14 +223,14 @@ def convert_gguf(
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     old = out.with_name(f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        _write_conversion(path, tmp, sha256=sha256, log=log)
+        _write_conversion(path, tmp, sha256=sha256)
         if out.exists():
             os.replace(out, old)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
-    log(f"[gguf] wrote {out}: {describe_conversion(conversion_record(out))}")
+    logger.info(f"[gguf] wrote {out}: {describe_conversion(conversion_record(out))}")
     return out
 
 
@@ -252,7 +253,7 @@ def _file_lock(path: Path):
         lock.release()
 
 
-def cached_conversion(gguf_file: str | os.PathLike, *, log: Callable[[str], None] = print) -> Path:
+def cached_conversion(gguf_file: str | os.PathLike) -> Path:
     """The converted checkpoint of ``gguf_file`` in the cache (converted on first use); see the module doc."""
     path = Path(gguf_file)
     if not path.is_file():
@@ -265,8 +266,8 @@ def cached_conversion(gguf_file: str | os.PathLike, *, log: Callable[[str], None
         # file name find the existing conversion
         for existing in sorted(root.glob(f"*-{sha256[:16]}")):
             if _is_complete(existing, sha256):
-                return convert_gguf(path, existing, sha256=sha256, log=log)
-        return convert_gguf(path, root / f"{path.name[: -len('.gguf')]}-{sha256[:16]}", sha256=sha256, log=log)
+                return convert_gguf(path, existing, sha256=sha256)
+        return convert_gguf(path, root / f"{path.name[: -len('.gguf')]}-{sha256[:16]}", sha256=sha256)
 
 
 # Names a user can give as --backbone for a model that an installed package ships (no download).
@@ -284,14 +285,14 @@ def packaged_backbone(name: str) -> Path:
     return path
 
 
-def resolve_backbone_path(backbone: str, *, log: Callable[[str], None] = print) -> str:
+def resolve_backbone_path(backbone: str) -> str:
     """A backbone directory for ``backbone``: a ``.gguf`` file is converted into the cache, a packaged
     name (``smollm2``, when no such path exists) is its package's GGUF file, anything else is returned as
     given (the model loader checks directories)."""
     if backbone in PACKAGED_BACKBONES and not Path(backbone).exists():
         backbone = str(packaged_backbone(backbone))
     if is_gguf_path(backbone) and not Path(backbone).is_dir():
-        return str(cached_conversion(backbone, log=log))
+        return str(cached_conversion(backbone))
     return backbone
 
 
@@ -323,11 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("gguf_file", help="A .gguf file (llama.cpp format) holding a causal LM and its tokenizer.")
     parser.add_argument("--out", help="Output directory (default: zcvae's cache, the directory `--backbone FILE.gguf` uses).")
     args = parser.parse_args(argv)
-    def log(line: str) -> None:  # stdout carries only the directory, for scripts
-        print(line, file=sys.stderr)
+    from zcvae.console import use_stderr
 
+    use_stderr()  # stdout carries only the directory, for scripts
     try:
-        out = convert_gguf(args.gguf_file, args.out, log=log) if args.out else cached_conversion(args.gguf_file, log=log)
+        out = convert_gguf(args.gguf_file, args.out) if args.out else cached_conversion(args.gguf_file)
     except ValueError as err:
         print(f"zcvae convert-gguf: error: {err}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ module runs the stage, one named step after another (:func:`_pretrain`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -62,6 +63,8 @@ from zcvae.core.schedule import lr_multiplier
 from zcvae.cpu import cpu_threads, flush_denormals
 from zcvae.data.encoding import collate
 
+logger = logging.getLogger(__name__)
+
 
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -69,7 +72,7 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> dict:
+def pretrain(config: PretrainConfig) -> dict:
     """Train the backbone, write the checkpoint to ``config.output_dir`` and return the summary.
 
     The steps run on the training loop of ``zcvae train`` (``zcvae.loop.driver.run_loop``) and its engines, so the
@@ -86,7 +89,7 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
     from zcvae.runs.lock import RunLock
     from zcvae.loop.guards import StopSignals
 
-    flush_denormals(log=log)
+    flush_denormals()
     previous_threads = torch.get_num_threads()
     # a fixed thread count (zcvae.cpu.cpu_threads): every run trained on the stage starts from its numbers
     follower, _ = cpu_threads()
@@ -97,7 +100,7 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
             if lock is not None:
                 lock.acquire()
             try:
-                return _pretrain(config, log=log, signals=signals, follower=follower)
+                return _pretrain(config, signals=signals, follower=follower)
             finally:
                 if lock is not None:
                     lock.release()
@@ -109,7 +112,7 @@ def pretrain(config: PretrainConfig, *, log: Callable[[str], None] = print) -> d
 _RUN_STATE = ("checkpoints", "metrics.jsonl", "tensorboard")
 
 
-def _prepare_output_dir(run_dir: Path, *, resume: bool, is_main: bool, log) -> None:
+def _prepare_output_dir(run_dir: Path, *, resume: bool, is_main: bool) -> None:
     """Make ``run_dir`` ready for the stage. The summary goes first, so ``is_pretrained`` is False from
     here until the new checkpoint is complete. Without ``resume`` an earlier stage there (finished or
     not) is replaced, as before; a directory that holds no stage is refused, not deleted."""
@@ -126,7 +129,7 @@ def _prepare_output_dir(run_dir: Path, *, resume: bool, is_main: bool, log) -> N
     if is_main:
         (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
         if not resume and entries:
-            log(f"[pretrain] replacing the earlier stage in {run_dir}")
+            logger.info(f"[pretrain] replacing the earlier stage in {run_dir}")
             for name in entries:
                 path = run_dir / name
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -136,16 +139,16 @@ def _prepare_output_dir(run_dir: Path, *, resume: bool, is_main: bool, log) -> N
 class _StageLogger:
     """The RunLogger (rank 0: metrics.jsonl + TensorBoard) plus the stage's progress lines."""
 
-    def __init__(self, inner, *, say, max_steps: int):
-        self.inner, self.say, self.max_steps = inner, say, max_steps
+    def __init__(self, inner, *, max_steps: int):
+        self.inner, self.max_steps = inner, max_steps
         self.start = time.perf_counter()
 
     def log(self, split: str, step: int, metrics: dict) -> None:
         self.inner.log(split, step, metrics)
         if split == "train":
             lr = next((v for k, v in sorted(metrics.items()) if k.startswith("learning_rate/")), float("nan"))
-            self.say(f"step {step}/{self.max_steps} loss {metrics.get('loss', float('nan')):.4f} lr {lr:.2e} "
-                     f"tokens/s {metrics.get('tokens_per_second', 0.0):.0f} elapsed {time.perf_counter() - self.start:.1f}s")
+            logger.info(f"step {step}/{self.max_steps} loss {metrics.get('loss', float('nan')):.4f} lr {lr:.2e} "
+                        f"tokens/s {metrics.get('tokens_per_second', 0.0):.0f} elapsed {time.perf_counter() - self.start:.1f}s")
 
     def close(self) -> None:
         self.inner.close()
@@ -171,24 +174,24 @@ class _Stage:
     """A fresh copy of the model before training (seeded, so equal to ``model`` at the start)."""
 
 
-def _build_stage(config: PretrainConfig, *, say) -> _Stage:
+def _build_stage(config: PretrainConfig) -> _Stage:
     """The model and the encoded data. A pretrained backbone comes first (its tokenizer gains the markers
     that the data is then encoded with); the tiny model comes after its word-level tokenizer is built
     over the data."""
     if config.backbone is not None:
-        model, tokenizer, tokens, source = load_backbone_for_finetune(config, log=say)
+        model, tokenizer, tokens, source = load_backbone_for_finetune(config)
         _, _, train_ex, val_ex, task = load_data(config, tokenizer=tokenizer)
 
         def rebuild():
-            return load_backbone_for_finetune(config, log=lambda *a, **k: None)[0]
+            return load_backbone_for_finetune(config)[0]
     else:
         tokenizer, tokens, train_ex, val_ex, task = load_data(config)
         model, source = build_tiny_model(config, tokenizer, tokens), None
 
         def rebuild():
             return build_tiny_model(config, tokenizer, tokens)
-    train = encode_split(train_ex, tokenizer, tokens, max_length=config.max_length, what="train", log=say)
-    val = encode_split(val_ex, tokenizer, tokens, max_length=config.max_length, what="val", log=say)
+    train = encode_split(train_ex, tokenizer, tokens, max_length=config.max_length, what="train")
+    val = encode_split(val_ex, tokenizer, tokens, max_length=config.max_length, what="val")
     return _Stage(model=model, tokenizer=tokenizer, tokens=tokens, source=source, train_examples=train_ex,
                   val_examples=val_ex, task=task, train=train, val=val, rebuild=rebuild)
 
@@ -215,7 +218,7 @@ def _build_engine(config: PretrainConfig, model):
     return engine, groups
 
 
-def _resume(config: PretrainConfig, *, engine, checkpoints, run_dir: Path, is_main: bool, say) -> int:
+def _resume(config: PretrainConfig, *, engine, checkpoints, run_dir: Path, is_main: bool) -> int:
     """The step to start from: 0, or that of the checkpoint ``config.resume`` names (loaded into ``engine``)."""
     from zcvae.runs.rundir import METRICS, truncate_metrics
 
@@ -227,14 +230,14 @@ def _resume(config: PretrainConfig, *, engine, checkpoints, run_dir: Path, is_ma
         raise ValueError(f"resume: checkpoint {state['checkpoint']!r} is at step {start_step}, past max_steps {config.max_steps}; "
                          f"resume with --max-steps {start_step} or more")
     if start_step:
-        say(f"[resume] from step {start_step}")
+        logger.info(f"[resume] from step {start_step}")
     if is_main:
         truncate_metrics(run_dir / METRICS, after_step=start_step)
     return start_step
 
 
 def _train(config: PretrainConfig, stage: _Stage, *, engine, groups, micro_batch_size: int, world_size: int,
-           run_dir: Path, is_main: bool, decision_pos, signals, say, follower=None) -> dict:
+           run_dir: Path, is_main: bool, decision_pos, signals, follower=None) -> dict:
     """Run the loop from the resumed step to ``max_steps``; return the timings, the tokens seen, the
     resumed step and the final validation statistics."""
     from zcvae.loop import LoopSettings, RunLogger, run_loop
@@ -245,8 +248,8 @@ def _train(config: PretrainConfig, stage: _Stage, *, engine, groups, micro_batch
     train_all = collate(stage.train, stage.tokens)
     global_batch = micro_batch_size * config.gradient_accumulation_steps * world_size
     checkpoints = CheckpointManager(run_dir / CHECKPOINTS, keep=config.keep_last_checkpoints, is_main=is_main)
-    start_step = _resume(config, engine=engine, checkpoints=checkpoints, run_dir=run_dir, is_main=is_main, say=say)
-    logger = _StageLogger(RunLogger(run_dir, enabled=is_main), say=say, max_steps=config.max_steps)
+    start_step = _resume(config, engine=engine, checkpoints=checkpoints, run_dir=run_dir, is_main=is_main)
+    run_logger = _StageLogger(RunLogger(run_dir, enabled=is_main), max_steps=config.max_steps)
     results: dict = {}
 
     def run_eval(step: int) -> dict[str, float]:
@@ -256,9 +259,9 @@ def _train(config: PretrainConfig, stage: _Stage, *, engine, groups, micro_batch
                    "znull_y_nll_per_example": zn["nll_per_example"]}
         if "decision_token_nll" in zf:
             metrics["decision_token_nll"] = zf["decision_token_nll"]
-        logger.inner.log("eval", step, metrics)
+        run_logger.inner.log("eval", step, metrics)
         if step != config.max_steps:
-            say(f"step {step} val y NLL {zf['nll_per_example']:.3f} nats/sequence{_decision_note(zf)}")
+            logger.info(f"step {step} val y NLL {zf['nll_per_example']:.3f} nats/sequence{_decision_note(zf)}")
         results["final"] = stats
         return metrics
 
@@ -275,12 +278,12 @@ def _train(config: PretrainConfig, stage: _Stage, *, engine, groups, micro_batch
              lr_factor=lambda step: lr_multiplier(step, warmup_steps=config.warmup_steps, max_steps=config.max_steps,
                                                   min_lr_ratio=config.min_lr_ratio),
              start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": config, "c_base": None},
-             evaluate=run_eval, logger=logger, signals=signals, log=say, cpu_threads=follower)
+             evaluate=run_eval, run_logger=run_logger, signals=signals, cpu_threads=follower)
     train_time = time.perf_counter() - train_start
     # CPU seconds of this process: on a shared machine, a steadier measure of cost than wall time.
     train_cpu_time = time.process_time() - train_cpu_start
     total_tokens = float(engine.all_reduce(torch.tensor(objective.num_tokens, dtype=torch.float64)))
-    logger.close()
+    run_logger.close()
     return {"train_time": train_time, "train_cpu_time": train_cpu_time, "total_tokens": total_tokens,
             "start_step": start_step, "final": results["final"]}
 
@@ -332,43 +335,42 @@ def _save(stage: _Stage, trained_state: dict, summary: dict, output_dir: str) ->
     _write_checkpoint(merged_model(fresh), stage.tokenizer, summary, output_dir)
 
 
-def _report(summary: dict, *, floor, output_dir: str, say) -> None:
+def _report(summary: dict, *, floor, output_dir: str) -> None:
     zf, zn = summary["val"]["zfree"], summary["val"]["znull"]
-    say(
-        f"done in {summary['wall_time_s']:.1f}s: val y NLL z-free {zf['nll_per_example']:.3f} "
-        f"{_decision_note(zf)}, znull {zn['nll_per_example']:.3f} nats/sequence"
-        + (f", floor {floor:.3f}" if floor is not None else "")
-        + f"; wrote {output_dir}"
+    logger.info(
+                f"done in {summary['wall_time_s']:.1f}s: val y NLL z-free {zf['nll_per_example']:.3f} "
+                f"{_decision_note(zf)}, znull {zn['nll_per_example']:.3f} nats/sequence"
+                + (f", floor {floor:.3f}" if floor is not None else "")
+                + f"; wrote {output_dir}"
     )
     for template, modes in summary.get("decoding", {}).items():
         for mode, d in modes.items():
             freq = ", ".join(f"{s} {f:.2f}" for s, f in d["strategy_freq"].items())
-            say(f"decode {template} {mode}: {freq}; parse_ok {d['parse_ok']:.2f} answer acc {d['answer_accuracy']:.2f}")
+            logger.info(f"decode {template} {mode}: {freq}; parse_ok {d['parse_ok']:.2f} answer acc {d['answer_accuracy']:.2f}")
 
 
-def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals, follower=None) -> dict:
+def _pretrain(config: PretrainConfig, *, signals, follower=None) -> dict:
     from zcvae.distributed import init_distributed
 
     start_time = time.perf_counter()
     info = init_distributed()
     is_main = info.rank == 0
-    say = log if is_main else (lambda *a, **k: None)
     run_dir = Path(config.output_dir)
     if config.device != "auto" and _resolve_device(config.device).type != info.device.type:
         # the engines place each rank on its own device (zcvae.distributed), as in `zcvae train`
-        say(f"[pretrain] device {config.device!r}: the engine runs this rank on {info.device} "
-            f"(CUDA_VISIBLE_DEVICES= keeps a CUDA machine on the CPU)")
+        logger.info(f"[pretrain] device {config.device!r}: the engine runs this rank on {info.device} "
+                    f"(CUDA_VISIBLE_DEVICES= keeps a CUDA machine on the CPU)")
     micro_batch_size = _micro_batch_size(config, info.world_size)
-    stage = _build_stage(config, say=say)
+    stage = _build_stage(config)
     # only now, with the config, data and model known good: an earlier stage there is replaced
-    _prepare_output_dir(run_dir, resume=config.resume is not None, is_main=is_main, log=say)
+    _prepare_output_dir(run_dir, resume=config.resume is not None, is_main=is_main)
 
     num_params = sum(p.numel() for p in stage.model.parameters())
     num_trainable = sum(p.numel() for p in stage.model.parameters() if p.requires_grad)
-    say(
-        f"backbone: {num_params / 1e6:.2f}M parameters ({num_trainable / 1e6:.3f}M trained), vocab {len(stage.tokenizer)}, "
-        f"{len(stage.train)} train / {len(stage.val)} val examples, engine {config.engine}, world {info.world_size}, "
-        f"device {info.device}, {torch.get_num_threads()} threads"
+    logger.info(
+                f"backbone: {num_params / 1e6:.2f}M parameters ({num_trainable / 1e6:.3f}M trained), vocab {len(stage.tokenizer)}, "
+                f"{len(stage.train)} train / {len(stage.val)} val examples, engine {config.engine}, world {info.world_size}, "
+                f"device {info.device}, {torch.get_num_threads()} threads"
     )
     floor, decision_pos = validation_targets(stage.task, stage.tokenizer, stage.val_examples, stage.val)
     engine, groups = _build_engine(config, stage.model)
@@ -376,7 +378,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals, fo
     initial = evaluate_nll(engine.module, stage.val, stage.tokens, decision_positions=decision_pos)
     trained = _train(config, stage, engine=engine, groups=groups, micro_batch_size=micro_batch_size,
                      world_size=info.world_size, run_dir=run_dir, is_main=is_main, decision_pos=decision_pos,
-                     signals=signals, say=say, follower=follower)
+                     signals=signals, follower=follower)
 
     # every rank decodes (a sharded model's forwards are collectives), only rank 0 writes
     decoding = None
@@ -393,7 +395,7 @@ def _pretrain(config: PretrainConfig, *, log: Callable[[str], None], signals, fo
     engine.barrier()
     if not is_main:
         return json.loads((run_dir / SUMMARY_FILE).read_text())
-    _report(summary, floor=floor, output_dir=config.output_dir, say=say)
+    _report(summary, floor=floor, output_dir=config.output_dir)
     return summary
 
 

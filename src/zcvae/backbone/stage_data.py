@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 
 import torch
@@ -28,6 +29,8 @@ from zcvae.data.encoding import (
     encode_examples,
     prepare_tokenizer,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def span_nll(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,13 +96,13 @@ def load_data(config: PretrainConfig, tokenizer=None):
     return tokenizer, tokens, train, val, task
 
 
-def encode_split(examples, tokenizer, tokens, *, max_length: int, what: str, log) -> list[EncodedExample]:
+def encode_split(examples, tokenizer, tokens, *, max_length: int, what: str) -> list[EncodedExample]:
     encoded, report = encode_examples(examples, tokenizer, tokens, max_length=max_length, num_z_slots=1)
     if report.num_skipped or report.num_x_truncated or report.num_unknown_tokens:
-        log(
-            f"{what}: kept {report.num_kept}/{report.num_examples}, skipped {report.num_skipped}, "
-            f"x truncated {report.num_x_truncated}, unknown tokens {report.num_unknown_tokens}"
-            + (f"; first skip: {report.skipped[0]}" if report.skipped else "")
+        logger.info(
+                    f"{what}: kept {report.num_kept}/{report.num_examples}, skipped {report.num_skipped}, "
+                    f"x truncated {report.num_x_truncated}, unknown tokens {report.num_unknown_tokens}"
+                    + (f"; first skip: {report.skipped[0]}" if report.skipped else "")
         )
     if not encoded:
         raise ValueError(f"{what}: no example fits max_length={max_length}")

@@ -5,7 +5,6 @@ Hugging Face model it saves (LoRA and the token deltas merged)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,7 +61,7 @@ def build_tiny_model(config: PretrainConfig, tokenizer, tokens: TemplateTokens) 
     return LlamaForCausalLM(model_config).to(dtype=torch.float32)
 
 
-def load_backbone_for_finetune(config: PretrainConfig, *, log: Callable[[str], None]):
+def load_backbone_for_finetune(config: PretrainConfig):
     """(model, tokenizer, source record, added token ids) for the entangled stage on ``config.backbone``.
 
     Mirrors ``ZCVAE.from_pretrained`` up to the adapters: the markers and ``<znull>`` are added to the
@@ -79,7 +78,7 @@ def load_backbone_for_finetune(config: PretrainConfig, *, log: Callable[[str], N
     from zcvae.reference.store import fingerprint_backbone
 
     source = config.backbone
-    directory = resolve_backbone_path(source, log=log)
+    directory = resolve_backbone_path(source)
     if not os.path.isdir(directory) or not os.path.isfile(os.path.join(directory, "config.json")):
         raise ValueError(f"backbone {source!r} is neither a Hugging Face model directory (with config.json) nor a .gguf file")
     check_backbone_files(directory)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import types
 import typing
@@ -125,7 +126,12 @@ def _cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zcvae", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="zcvae", description=__doc__.split("\n")[0],
+                                     epilog="Every command also takes --log-level LEVEL[,LOGGER=LEVEL...] (or ZCVAE_LOG_LEVEL): "
+                                            "e.g. --log-level warning,zcvae.reference=info (zcvae.console).")
+    parser.add_argument("--log-level", metavar="LEVEL[,LOGGER=LEVEL...]",
+                        help="debug, info (default), warning, error or critical, for zcvae or one of its loggers (zcvae.train, "
+                             "zcvae.reference, zcvae.engines, ...); e.g. warning,zcvae.reference=info. Taken anywhere on the line.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="Train a CVAE run.", description="Train a CVAE run. Every flag is a config field.")
@@ -178,7 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     from zcvae.runs.rundir import describe_disk_error
     from zcvae.loop.guards import EXIT_INTERRUPTED, RunStopped
 
+    from zcvae import console
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    console.install().target = "stdout"  # a command run earlier in this process may have moved it (console.use_stderr)
+    try:
+        # every command takes it, anywhere on its line; the environment carries it to a sweep's runs and ranks
+        argv, level = console.pop_log_level(argv)
+        if level is not None:
+            console.set_levels(level)
+            os.environ[console.ENV] = level
+    except ValueError as err:
+        print(f"zcvae: error: {err}", file=sys.stderr)
+        return 2
     command = argv[0] if argv and not argv[0].startswith("-") else "zcvae"
     try:
         return _run_command(argv)

@@ -26,12 +26,15 @@ apart. The verdict of each run says which of these it is, without gold labels.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from zcvae.config import BEST_HYBRID, DEFAULT_PRESET, field_defaults, load_config_file
+
+logger = logging.getLogger(__name__)
 
 # The demo's task and K: sort3's three strategies (direct, count, descending) part at one token after y restates x.
 DEMO_TASK = "sort3"
@@ -134,7 +137,7 @@ def real_lm_family(*, backbone: str, seeds: int, quick: bool = False) -> dict:
     }
 
 
-def time_one_step(backbone: str, *, batch_size: int, num_tokens: int, log=print) -> float:
+def time_one_step(backbone: str, *, batch_size: int, num_tokens: int) -> float:
     """Seconds of one forward + backward of ``backbone`` on ``batch_size`` x ``num_tokens`` random tokens,
     on this process's threads (the second of two calls; the first warms up allocators and kernels)."""
     import torch
@@ -142,7 +145,7 @@ def time_one_step(backbone: str, *, batch_size: int, num_tokens: int, log=print)
 
     from zcvae.backbone.convert import resolve_backbone_path
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_backbone_path(backbone, log=log), local_files_only=True,
+    model = AutoModelForCausalLM.from_pretrained(resolve_backbone_path(backbone), local_files_only=True,
                                                  use_safetensors=True, dtype=torch.float32)
     ids = torch.randint(0, model.get_input_embeddings().weight.shape[0], (batch_size, num_tokens),
                         generator=torch.Generator().manual_seed(0))
@@ -166,7 +169,7 @@ def expected_seconds(step_seconds: float, *, stage_batch: int, stage: dict | Non
     return {"stage": stage_s, "run": run_s, "total": stage_s + waves * run_s}
 
 
-def run_real_lm_demo(*, backbone: str, output_dir: str, quick: bool, seeds: int, jobs: int, log=print) -> str:
+def run_real_lm_demo(*, backbone: str, output_dir: str, quick: bool, seeds: int, jobs: int) -> str:
     """``zcvae demo --backbone``: the entangled stage, then raw mean and the default, through the local sweep
     runner (a finished stage and finished runs are reused, an unfinished run resumes)."""
     from zcvae.sweep.family import local_plan, stage_status
@@ -177,15 +180,15 @@ def run_real_lm_demo(*, backbone: str, output_dir: str, quick: bool, seeds: int,
     runs = local_plan(family, output_dir=out / "runs")
     stage = runs[0].pretrain
     todo_stage = stage_status(stage) != "finished"
-    step_s = time_one_step(backbone, batch_size=family["pretrain"]["batch_size"], num_tokens=40, log=log)
+    step_s = time_one_step(backbone, batch_size=family["pretrain"]["batch_size"], num_tokens=40)
     budget = expected_seconds(step_s, stage_batch=family["pretrain"]["batch_size"], stage=family["pretrain"] if todo_stage else None, base=family["base"],
                               num_runs=len(runs), jobs=jobs)
-    log(f"[demo] expected time: about {budget['total'] / 60:.0f} min (one timed step of {backbone}: {step_s:.1f} s at batch "
-        f"{family['pretrain']['batch_size']}; the entangled stage ~{budget['stage'] / 60:.0f} min"
-        f"{'' if todo_stage else ' (already built)'}, each of {len(runs)} runs ~{budget['run'] / 60:.0f} min, {jobs} at a time)")
-    log(f"[demo] 1/3 the entangled stage on {REAL_LM_TASK!r} -> {stage['output_dir']}; "
-        f"2/3 {len(runs)} runs: {', '.join(label for label, _ in REAL_LM_ARMS)}, {seeds} seed(s) each")
-    return _run_and_tabulate(runs, jobs=jobs, quick=quick, out=out, started=started, log=log,
+    logger.info(f"[demo] expected time: about {budget['total'] / 60:.0f} min (one timed step of {backbone}: {step_s:.1f} s at batch "
+                f"{family['pretrain']['batch_size']}; the entangled stage ~{budget['stage'] / 60:.0f} min"
+                f"{'' if todo_stage else ' (already built)'}, each of {len(runs)} runs ~{budget['run'] / 60:.0f} min, {jobs} at a time)")
+    logger.info(f"[demo] 1/3 the entangled stage on {REAL_LM_TASK!r} -> {stage['output_dir']}; "
+                f"2/3 {len(runs)} runs: {', '.join(label for label, _ in REAL_LM_ARMS)}, {seeds} seed(s) each")
+    return _run_and_tabulate(runs, jobs=jobs, quick=quick, out=out, started=started,
                              heading="final validation metrics")
 
 
@@ -204,7 +207,7 @@ def omp_threads(count: int):
             os.environ["OMP_NUM_THREADS"] = old
 
 
-def _run_and_tabulate(runs, *, jobs: int, quick: bool, out: Path, started: float, log, heading: str, threads: int | None = None) -> str:
+def _run_and_tabulate(runs, *, jobs: int, quick: bool, out: Path, started: float, heading: str, threads: int | None = None) -> str:
     """Step 2/3 and 3/3 of both demos: train the runs (finished ones skipped), print and save the table.
     ``threads``: each run's fixed thread count (None: the runs' own policy)."""
     from zcvae.commands.sweep import local_table
@@ -213,19 +216,19 @@ def _run_and_tabulate(runs, *, jobs: int, quick: bool, out: Path, started: float
     # the largest budget first, so that the longest run never starts last and leaves a core idle; the table keeps the arms' order
     by_cost = sorted(runs, key=lambda run: -run.params.get("max_steps", 0) * run.params.get("micro_batch_size", 0))
     with omp_threads(threads) if threads else nullcontext():
-        _, failed = run_local(by_cost, jobs=jobs, log=log, progress_bar=not quick)
+        _, failed = run_local(by_cost, jobs=jobs, progress_bar=not quick)
     if failed:
         raise ValueError("demo runs failed: " + "; ".join(f"{run.name}: {why}" for run, why in failed))
     table = local_table(runs)
-    log(f"\n[demo] 3/3 {heading}\n")
-    log(table)
-    log(f"\n[demo] done in {time.perf_counter() - started:.0f} s. TensorBoard: tensorboard --logdir {out / 'runs'}")
+    logger.info(f"\n[demo] 3/3 {heading}\n")
+    logger.info(table)
+    logger.info(f"\n[demo] done in {time.perf_counter() - started:.0f} s. TensorBoard: tensorboard --logdir {out / 'runs'}")
     (out / "table.md").write_text(table + "\n")
     return table
 
 
 def run_demo(*, output_dir: str = "runs/demo", quick: bool = False, seeds: int = 1, jobs: int | None = None,
-             backbone: str | None = None, log=print) -> str:
+             backbone: str | None = None) -> str:
     from zcvae.backbone.pretraining import pretrain
     from zcvae.backbone.stage_config import PretrainConfig, is_pretrained
     from zcvae.sweep.family import local_plan
@@ -235,24 +238,24 @@ def run_demo(*, output_dir: str = "runs/demo", quick: bool = False, seeds: int =
     if backbone is not None:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         return run_real_lm_demo(backbone=backbone, output_dir=output_dir, quick=quick, seeds=seeds,
-                                jobs=DEMO_JOBS if jobs is None else jobs, log=log)
+                                jobs=DEMO_JOBS if jobs is None else jobs)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     backbone = out / "backbone"
     if is_pretrained(backbone):
-        log(f"[demo] reusing the backbone in {backbone}")
+        logger.info(f"[demo] reusing the backbone in {backbone}")
     else:
         pcfg = PretrainConfig(task=DEMO_TASK, output_dir=str(backbone), max_steps=DEMO_BUDGET["pretrain_steps"])
         if quick:
             pcfg = PretrainConfig(task=DEMO_TASK, output_dir=str(backbone), max_steps=20, num_train_examples=256, num_val_examples=32, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
-        log(f"[demo] 1/3 pretraining the entangled backbone on task {DEMO_TASK!r} -> {backbone}")
+        logger.info(f"[demo] 1/3 pretraining the entangled backbone on task {DEMO_TASK!r} -> {backbone}")
         with omp_threads(DEMO_THREADS["pretrain"]):
-            pretrain(pcfg, log=log)
-    log(f"[demo] pretraining done at {time.perf_counter() - started:.0f} s")
+            pretrain(pcfg)
+    logger.info(f"[demo] pretraining done at {time.perf_counter() - started:.0f} s")
     runs = local_plan(demo_family(backbone=str(backbone.resolve()), seeds=seeds, quick=quick), output_dir=out / "runs")
-    log(f"[demo] 2/3 {len(runs)} runs on {DEMO_TASK} (K = {DEMO_NUM_LATENTS}): {', '.join(label for label, _ in DEMO_ARMS)}, {seeds} seed(s) each")
-    return _run_and_tabulate(runs, jobs=DEMO_JOBS if jobs is None else jobs, quick=quick, out=out, started=started, log=log,
+    logger.info(f"[demo] 2/3 {len(runs)} runs on {DEMO_TASK} (K = {DEMO_NUM_LATENTS}): {', '.join(label for label, _ in DEMO_ARMS)}, {seeds} seed(s) each")
+    return _run_and_tabulate(runs, jobs=DEMO_JOBS if jobs is None else jobs, quick=quick, out=out, started=started,
                              threads=DEMO_THREADS["run"],
                              heading="final validation metrics (nmi: argmax q(z|x,y) against the gold strategy; num_used_latents: "
                                      "latents holding >1% of q; exact_match: decoding with the strategy's own z; verdict: without gold labels)")

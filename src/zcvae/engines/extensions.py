@@ -21,12 +21,15 @@ starts:
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["STALE_AFTER_S", "StaleBuildLock", "check_build_locks", "extensions_dir", "local_builders"]
 
@@ -72,7 +75,7 @@ def local_builders(build_dir: Path) -> list[int] | None:
     return pids
 
 
-def check_build_locks(*, log: Callable[[str], object] = print, environ=os.environ, stale_after_s: float = STALE_AFTER_S,
+def check_build_locks(*, environ=os.environ, stale_after_s: float = STALE_AFTER_S,
                       clock: Callable[[], float] = time.time, sleep: Callable[[float], object] = time.sleep) -> Path:
     """Choose the extensions directory (see the module docstring) and clear its stale locks; returns it.
 
@@ -98,7 +101,7 @@ def check_build_locks(*, log: Callable[[str], object] = print, environ=os.enviro
                     f"extension build lock {lock} is {age:.0f} s old and no process on this host is building in {lock.parent}: "
                     f"a build was killed. Every DeepSpeed run would wait on it forever; if no other host builds there, remove it: rm {lock}")
             lock.unlink(missing_ok=True)
-            log(f"[deepspeed] removed a stale extension build lock {lock} ({age:.0f} s old, no process building): "
-                f"a build was killed; this run builds it again")
+            logger.warning(f"[deepspeed] removed a stale extension build lock {lock} ({age:.0f} s old, no process building): "
+                           f"a build was killed; this run builds it again")
             break
     return root

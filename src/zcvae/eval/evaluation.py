@@ -84,7 +84,6 @@ V vocabulary.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import shutil
@@ -311,7 +310,7 @@ def evaluate_run(
                           weight_decay=cfg.optimization.weight_decay)  # moves the model to its device
     stored = record.get("c_base")
     reference = ReferenceProvider.build(
-        cfg, engine=engine, model=model, backbone=backbone_dir, train=val, val=val, passes=1.0, log=lambda *a: None,
+        cfg, engine=engine, model=model, backbone=backbone_dir, train=val, val=val, passes=1.0,
         stored_c_base=CBase.from_dict(stored) if isinstance(stored, dict) else None,
     )
     output = Path(output) if output is not None else run_dir / EVAL_METRICS
@@ -321,6 +320,6 @@ def evaluate_run(
     _write_json(output, {"step": step, "checkpoint": str(ckpt), "metrics": metrics})
     from zcvae.eval.verdict import report_verdict
 
-    report_verdict(output.parent, metrics, record["config"], step=step, source="evaluate", log=None)  # verdict.json next to it
+    report_verdict(output.parent, metrics, record["config"], step=step, source="evaluate", log_lines=False)  # verdict.json next to it; the CLI prints its lines
     return metrics
 

@@ -10,7 +10,7 @@ Shape legend: N examples (records), K discrete latents, D Gaussian latent dimens
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +33,8 @@ from zcvae.eval.metrics import (
 from zcvae.eval.records import ControlRecord, DecodeRecord, ExampleRecord
 from zcvae.eval.strata import stratified_decoding_metrics, stratified_metrics
 from zcvae.data.encoding import EncodedExample
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MIN_LABELLED",
@@ -72,7 +74,7 @@ def summarize(
         scalars["num_labelled_examples"] = float(sum(s is not None for s in labels))
     if (problem := gold_labels_problem(labels)) is not None:
         # an NMI of 1.000 from one labelled example says nothing: report it absent, not perfect
-        print(f"[eval] gold-strategy metrics (nmi, ari, matching_accuracy, by_strategy/...) are absent: {problem}", file=sys.stderr)
+        logger.warning(f"[eval] gold-strategy metrics (nmi, ari, matching_accuracy, by_strategy/...) are absent: {problem}")
         details["gold_metrics_absent"] = problem
         labels = [None] * len(labels)
 

@@ -1,7 +1,7 @@
 """The end-of-run verdict: did z do anything, and what to try next, without gold labels.
 
     verdict = judge(metrics, config, step=300, source="train")   # metrics: evaluate()'s flat dict
-    report_verdict(run_dir, metrics, config, step=300, source="train", log=print)  # + verdict.json + lines
+    report_verdict(run_dir, metrics, config, step=300, source="train")  # + verdict.json + its lines logged
 
 `zcvae train` and `zcvae evaluate` end with it (``verdict.json``, ``zcvae.runs.rundir.VERDICT``),
 `zcvae aggregate` shows its ``verdict`` string as a column, and ``bench/verdict_check.py`` compares it
@@ -27,9 +27,10 @@ of its k-means clusters; it has no per-latent decodes, so no ``distinct_outputs`
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from zcvae.config import DEFAULT_OBJECTIVE, RECONSTRUCTION_WEIGHT_FIELDS
 from zcvae.core.terms import term_by_abbreviation
 from zcvae.presets import DEFAULT, LATE_DECISIONS
 from zcvae.runs.rundir import VERDICT, atomic_write_json, read_json
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ALIGNED_NMI_RATIO",
@@ -478,12 +481,12 @@ def read_verdict(directory: str | Path) -> dict[str, Any] | None:
 
 
 def report_verdict(directory: str | Path | None, metrics: Mapping[str, Any], config: Mapping[str, Any], *,
-                   step: int | None, source: str, log: Callable[[str], Any] | None = print) -> dict[str, Any]:
-    """Judge, write ``verdict.json`` into ``directory`` (None: no file) and ``log`` each line."""
+                   step: int | None, source: str, log_lines: bool = True) -> dict[str, Any]:
+    """Judge, write ``verdict.json`` into ``directory`` (None: no file) and log each line (``log_lines``)."""
     verdict = judge(metrics, config, step=step, source=source)
     if directory is not None:
         write_verdict(directory, verdict)
-    if log is not None:
+    if log_lines:
         for line in verdict["lines"]:
-            log(line)
+            logger.info(line)
     return verdict

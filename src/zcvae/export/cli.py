@@ -47,6 +47,9 @@ def _device(name: str | None) -> str:
 
 
 def _run(command: str, fn, argv) -> int:
+    from zcvae.console import use_stderr
+
+    use_stderr()  # stdout carries the command's result (generated text, q and p) alone
     try:
         return fn(argv)
     except ValueError as err:

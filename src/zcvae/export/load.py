@@ -11,7 +11,6 @@ Shape legend: R rows of a decode call, S sequence length, V vocabulary, K latent
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +68,7 @@ def resolve_backbone(cfg, *, override: str | None = None, recorded: str | None =
     for candidate in (override, recorded, cfg.model.backbone):
         if candidate:
             if is_gguf_path(candidate) and Path(candidate).is_file():
-                return resolve_backbone_path(str(candidate), log=lambda line: print(line, file=sys.stderr))
+                return resolve_backbone_path(str(candidate))
             if not Path(candidate).is_dir():
                 raise ValueError(f"backbone directory {candidate!r} does not exist (pass --backbone DIR if it moved)")
             return str(candidate)

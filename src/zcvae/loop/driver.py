@@ -22,6 +22,7 @@ the step and logs with the window (``end_step``, ``window_metrics``), and what a
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ import torch
 from zcvae.data.dataset import global_batch_indices, rank_micro_batches
 from zcvae.loop.logs import MetricWindow, progress_bar
 from zcvae.loop.guards import PhaseStopped, Preempted, StepGuard, StopSignals, check_finite_weights
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -117,9 +120,8 @@ def run_loop(
     checkpoints,
     checkpoint_state: dict,
     evaluate: Callable[[int], dict[str, float]],
-    logger,
+    run_logger,
     signals: StopSignals,
-    log: Callable[[str], None],
     cpu_threads=None,
 ) -> dict[str, float]:
     """Train from ``start_step`` to ``settings.max_steps``; returns the final evaluation's metrics.
@@ -134,7 +136,7 @@ def run_loop(
     rank, world_size, device = engine.rank, engine.world_size, engine.device
     global_batch = s.micro_batch_size * s.gradient_accumulation_steps * world_size
     progress = progress_bar(s, start_step, enabled=rank == 0)
-    guard = StepGuard(skip_budget=s.skip_nonfinite_steps, signals=signals, log=log)
+    guard = StepGuard(skip_budget=s.skip_nonfinite_steps, signals=signals)
     window = MetricWindow()
     window_tokens, window_start = 0.0, time.perf_counter()
     window_first = start_step  # a resume between two log steps starts a shorter first window
@@ -174,13 +176,13 @@ def run_loop(
             if cpu_threads is not None:
                 metrics["num_threads"] = torch.get_num_threads()  # the window's count; the next window's follows the free cores
                 if cpu_threads.update() != metrics["num_threads"]:
-                    log(f"[cpu] step {done}: {torch.get_num_threads()} threads (was {metrics['num_threads']}), the cores other processes leave free")
+                    logger.info(f"[cpu] step {done}: {torch.get_num_threads()} threads (was {metrics['num_threads']}), the cores other processes leave free")
             metrics.update({f"learning_rate/{name}": lr * factor for name, lr in zip(group_names, peak_lrs)})
             if window_first > (done - 1) // s.log_every * s.log_every:
                 # the steps before the checkpoint were averaged by the interrupted run and never logged
                 metrics["window_steps"] = done - window_first
             window_first = done
-            logger.log("train", done, metrics)
+            run_logger.log("train", done, metrics)
             progress.set_postfix(**{name: f"{metrics.get(name, float('nan')):{spec}}" for name, spec in s.progress_metrics.items()})
             window, window_tokens, window_start = MetricWindow(), 0.0, time.perf_counter()
         stopped_in_eval = None
@@ -197,7 +199,7 @@ def run_loop(
                              trainer_tensors=objective.state_tensors())
         if stop:
             progress.close()
-            logger.close()
+            run_logger.close()
             during = f" (during the evaluation at step {done})" if stopped_in_eval is not None else ""
             raise Preempted(f"stopped by {signals.received or 'a signal on another rank'} after step {done} of {s.max_steps}{during}: "
                             f"saved checkpoint {checkpoints.path_for(done).name}; continue with the same command plus --resume auto", step=done)

@@ -23,12 +23,15 @@ CLI prints one line.
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 
 import torch
 
 from zcvae.runs.checkpoint import nonfinite_tensors
+
+logger = logging.getLogger(__name__)
 
 # The exit codes a scheduler script can act on. 75 is EX_TEMPFAIL ("try again later"): requeue.
 EXIT_PREEMPTED = 75
@@ -109,11 +112,10 @@ class StepGuard:
     :class:`TrainingDiverged` on every rank.
     """
 
-    def __init__(self, *, skip_budget: int = 0, signals: StopSignals | None = None, log=print):
+    def __init__(self, *, skip_budget: int = 0, signals: StopSignals | None = None):
         self.skip_budget = skip_budget
         self.num_skipped = 0
         self.signals = signals
-        self.log = log
         self.last_finite: dict[str, float] | None = None
         self._sums: dict[str, torch.Tensor] = {}
 
@@ -155,7 +157,7 @@ class StepGuard:
         if math.isfinite(values["grad_norm"]) or self.num_skipped >= self.skip_budget:
             raise TrainingDiverged(self._message(step, what), step=step)
         self.num_skipped += 1
-        self.log(f"[guard] step {step}: {what}; update skipped ({self.num_skipped} of --skip-nonfinite-steps {self.skip_budget})")
+        logger.warning(f"[guard] step {step}: {what}; update skipped ({self.num_skipped} of --skip-nonfinite-steps {self.skip_budget})")
         return "stop" if reduced[-1] > 0 else "skipped"
 
     def _message(self, step: int, what: str) -> str:

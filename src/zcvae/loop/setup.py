@@ -20,12 +20,15 @@ scheduler's SIGKILL. Here instead:
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 
 from zcvae.loop.guards import PhaseStopped, StopSignals
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PROGRESS_EVERY_S", "REPORT_AFTER_S", "SetupPhases"]
 
@@ -37,13 +40,13 @@ class SetupPhases:
     """Named phases with agreed stops and progress lines (see the module docstring).
 
     ``signals``: the run's :class:`StopSignals` (None: nothing stops; progress and timing only).
-    ``say``: rank 0's log (a no-op elsewhere). ``reduce_max``: the all-reduce (max) of a float64 tensor
+    ``reduce_max``: the all-reduce (max) of a float64 tensor
     over the ranks, or None at world size 1."""
 
-    def __init__(self, signals: StopSignals | None, *, say: Callable[[str], object], reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    def __init__(self, signals: StopSignals | None, *, reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  progress_every_s: float = PROGRESS_EVERY_S, report_after_s: float = REPORT_AFTER_S,
                  clock: Callable[[], float] = time.monotonic):
-        self.signals, self.say, self.reduce_max = signals, say, reduce_max
+        self.signals, self.reduce_max = signals, reduce_max
         self.progress_every_s, self.report_after_s, self.clock = progress_every_s, report_after_s, clock
         self.current = "setup"
         self.before_step = 1  # the step the run has not reached yet
@@ -52,14 +55,14 @@ class SetupPhases:
         self._started = self._last_line = 0.0
 
     @classmethod
-    def for_process_group(cls, signals: StopSignals | None, *, say) -> "SetupPhases":
+    def for_process_group(cls, signals: StopSignals | None) -> "SetupPhases":
         """Agreeing over the default process group when there is one of more than one rank."""
         import torch.distributed as dist
 
         from zcvae.distributed import dist_info
 
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return cls(signals, say=say)
+            return cls(signals)
         device = dist_info().device
 
         def reduce_max(t: torch.Tensor) -> torch.Tensor:
@@ -67,7 +70,7 @@ class SetupPhases:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return t.cpu()
 
-        return cls(signals, say=say, reduce_max=reduce_max)
+        return cls(signals, reduce_max=reduce_max)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -83,7 +86,7 @@ class SetupPhases:
         finally:
             took = self.clock() - self._started
             if took >= self.report_after_s:
-                self.say(f"[setup] {name}: {_duration(took)}")
+                logger.info(f"[setup] {name}: {_duration(took)}")
             self.current, self._started = outer, outer_started
 
     def tick(self, done: int, total: int, unit: str = "examples") -> None:
@@ -93,7 +96,7 @@ class SetupPhases:
         if now - self._last_line >= self.progress_every_s or done >= total:
             elapsed = now - self._started
             rate = f", {done / elapsed:.1f}/s" if elapsed > 0 and done else ""
-            self.say(f"[setup] {self.current}: {done}/{total} {unit}{rate}")
+            logger.info(f"[setup] {self.current}: {done}/{total} {unit}{rate}")
             self._last_line = now
 
     def check(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 from zcvae.plan.flops import Shape, step_flops
 from zcvae.plan.memory import PlanSpec, largest_micro_batch, plan_memory
@@ -159,6 +159,9 @@ def render(out: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from zcvae.console import use_stderr
+
+    use_stderr()  # stdout carries the plan alone (--json is read by scripts)
     argv = list(sys.argv[1:] if argv is None else argv)
     out = plan_from_argv(argv)
     print(json.dumps(out, indent=2) if "--json" in argv else render(out))

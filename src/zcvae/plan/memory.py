@@ -46,7 +46,6 @@ L layers, H hidden, I intermediate, V vocabulary.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from zcvae.plan.flops import lora_parameters

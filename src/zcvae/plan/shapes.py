@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SHAPES_DIR", "build_random_checkpoint", "hf_config", "load_shape", "num_parameters", "shape_names"]
 
@@ -102,7 +105,6 @@ def build_random_checkpoint(
     overrides: dict[str, Any] | None = None,
     seed: int = 0,
     max_shard_bytes: int = MAX_SHARD_BYTES,
-    log=print,
 ) -> Path:
     """Write a random-weight checkpoint of ``shape`` into ``out`` (which must not exist); return ``out``.
 
@@ -166,7 +168,7 @@ def build_random_checkpoint(
             save_file(values, str(tmp / file), metadata={"format": "pt"})
             weight_map.update({n: file for n in values})
             del values
-            log(f"[shapes] {name}: wrote {file} ({len(shard)} tensors)")
+            logger.info(f"[shapes] {name}: wrote {file} ({len(shard)} tensors)")
         if len(files) > 1:
             (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

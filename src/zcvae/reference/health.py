@@ -41,8 +41,9 @@ At the end of a run, :func:`closure_note` says so when the decoder rarely closed
 
 from __future__ import annotations
 
+import logging
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ import torch
 
 from zcvae.core.aggregation import NEARLY_DEGENERATE_MAX_SURPRISAL, reference_degeneracy
 from zcvae.data.encoding import missing_markers
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEGENERATE_IDS_SHOWN",
@@ -171,7 +174,7 @@ class ReferenceHealth:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def check_c_base(self, c_base, *, val: Sequence, examples: Sequence, task, log: Callable[[str], Any] = print) -> str | None:
+    def check_c_base(self, c_base, *, val: Sequence, examples: Sequence, task) -> str | None:
         """Compare ``c_base`` (a ``CBase``) with its threshold; record it; log and return the warning, if any.
 
         ``val`` the encoded validation examples c_base was computed on (``EncodedExample``: ``id``,
@@ -207,11 +210,11 @@ class ReferenceHealth:
                 f"reference-weighted terms weigh its format more than the strategy; an entangled checkpoint helps: "
                 f"{self.entangled_command}")
         self.warnings.append(line)
-        log(line)
+        logger.warning(line)
         return line
 
 
-    def check_weights(self, found: DegenerateWeights | None, *, log: Callable[[str], Any] = print) -> str | None:
+    def check_weights(self, found: DegenerateWeights | None) -> str | None:
         """Record what the setup passes found about degenerate weights; log and return the warning, if any.
         ``found`` None: no pass computed b at setup (the module docstring says when)."""
         if found is None:
@@ -221,7 +224,7 @@ class ReferenceHealth:
         line = found.note()
         if line is not None:
             self.warnings.append(line)
-            log(line)
+            logger.warning(line)
         return line
 
 
@@ -236,7 +239,7 @@ def _entropies(val: Sequence, examples: Sequence, task) -> list[float] | None:
         return None  # an example the family cannot read: no floor, the per-token rule applies
 
 
-def check_markers(cfg, backbone: str, *, log: Callable[[str], Any] = print) -> ReferenceHealth:
+def check_markers(cfg, backbone: str) -> ReferenceHealth:
     """Read the backbone's tokenizer (cheap: before the weights load) and check its template markers.
 
     ValueError (``zcvae train`` exits 2 with it, one line) naming the ``zcvae pretrain --backbone``
@@ -260,7 +263,7 @@ def check_markers(cfg, backbone: str, *, log: Callable[[str], Any] = print) -> R
     line = (f"[health] --allow-fresh-markers: backbone {shown!r} lacks {' '.join(fresh)}; their rows start as the mean "
             f"row and train as trainable tokens (the entangled checkpoint: {command})")
     health.warnings.append(line)
-    log(line)
+    logger.warning(line)
     return health
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import logging
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -19,6 +19,8 @@ from zcvae.reference.store import _all_gather  # the store's exchange of per-ran
 from zcvae.reference.store import POLICIES, ReferenceStore, default_policy, fingerprint_backbone, iter_reference_batches, load_or_build_reference_store, reference_fingerprint, reference_output
 from zcvae.reference.c_base import CBase, c_base_from_store, c_base_from_sum_count, c_base_sum_count, resolve_c_base
 from zcvae.reference.health import DegenerateWeights
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ReferenceProvider"]
 
@@ -53,7 +55,6 @@ class ReferenceProvider:
         train: Sequence[EncodedExample],
         val: Sequence[EncodedExample],
         passes: float,
-        log: Callable[[str], Any] = print,
         stored_c_base: CBase | None = None,
         phases=None,
     ) -> "ReferenceProvider":
@@ -86,7 +87,7 @@ class ReferenceProvider:
             if cfg.objective.reference_policy == "precomputed":
                 raise ValueError(f"reference_policy=precomputed needs a fingerprintable backbone: {e}") from e
             if policy == "precomputed":
-                log(f"[reference] {e}; falling back to the online policy")
+                logger.warning(f"[reference] {e}; falling back to the online policy")
                 policy = "online"
             backbone_digest = hashlib.sha256(f"unhashed:{backbone}".encode()).hexdigest()
         extra = {"precision": cfg.engine.precision, "seed": cfg.optimization.seed}
@@ -145,7 +146,7 @@ class ReferenceProvider:
         )
         follows = (f"; follows the trained adapter every {cfg.objective.reference_refresh_every} steps (c_base stays this value)"
                    if cfg.objective.reference_refresh_every else "")
-        log(f"[reference] policy {policy}; c_base[{mode}] = {c_base.value:.6g} ({c_base.source}){follows}")
+        logger.info(f"[reference] policy {policy}; c_base[{mode}] = {c_base.value:.6g} ({c_base.source}){follows}")
         return cls(policy=policy, c_base=c_base, fingerprints={k: v.digest for k, v in fps.items()}, store=store,
                    degenerate_weights=found[0] if found else None)
 

@@ -38,6 +38,7 @@ crash tests kill the process there (``zcvae.train.faults``).
 
 from __future__ import annotations
 
+import logging
 import errno
 import hashlib
 import json
@@ -45,7 +46,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +55,8 @@ import numpy as np
 import torch
 
 from zcvae.runs.rundir import disk_error, read_json
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "COMPLETE",
@@ -477,8 +479,8 @@ class CheckpointManager:
             except ValueError as err:
                 reasons.append(str(err))
                 continue
-            if reasons and self.is_main:
-                print(f"[resume] skipped {len(reasons)} newer checkpoint(s): {'; '.join(reasons)}; falling back to {str(path)!r}", file=sys.stderr)
+            if reasons:
+                logger.warning(f"[resume] skipped {len(reasons)} newer checkpoint(s): {'; '.join(reasons)}; falling back to {str(path)!r}")
             return path, meta
         if found:
             raise ValueError(f"resume auto: no checkpoint in {str(self.directory)!r} is loadable: {'; '.join(reasons)}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from zcvae.runs.lock import LOCK_FILE
+
+logger = logging.getLogger(__name__)
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
@@ -223,7 +226,7 @@ def _inside(path: Path, directory: Path) -> bool:
     return path == directory or directory in path.parents
 
 
-def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, is_main: bool, log=print, keep: dict | None = None) -> None:
+def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, is_main: bool, keep: dict | None = None) -> None:
     """Make ``run_dir`` ready for one run, or raise ValueError saying why it is not.
 
     A non-empty directory holds an earlier run: writing a second run into it mixes metrics.jsonl,
@@ -255,7 +258,7 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, is_main: bo
             if path and Path(path).exists() and _inside(Path(path), run_dir):
                 raise ValueError(f"--overwrite would delete {name} {str(path)!r}, which lies inside output_dir {str(run_dir)!r}")
         if is_main:
-            log(f"[run] --overwrite: deleting the earlier run in {run_dir} ({', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''})")
+            logger.warning(f"[run] --overwrite: deleting the earlier run in {run_dir} ({', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''})")
             # moved aside first, so a crash mid-delete leaves no half-deleted run that looks like a run; entry
             # by entry (the files that make it a run first), as the run lock inside must stay where it is
             doomed = run_dir.with_name(f"{run_dir.name}.deleting-{os.getpid()}")

@@ -14,17 +14,20 @@ it follow the cores the others leave free, at the price of numbers that depend o
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
 from zcvae.sweep.family import Run, stage_status, stages_of
 from zcvae.sweep.flags import command_args
+
+logger = logging.getLogger(__name__)
 
 TRAIN_LOG = "train.log"
 _POLL_S = 0.2
@@ -75,7 +78,7 @@ def finished_run_mismatch(run: Run) -> str | None:
     return None
 
 
-def prebuild_backbones(runs: Sequence[Run], log: Callable[[str], None]) -> None:
+def prebuild_backbones(runs: Sequence[Run]) -> None:
     """Before any run starts, build what the runs' backbones need: the family's entangled stages (one per
     task, reused when finished with the same settings; each a ``zcvae pretrain`` process, as its SLURM job
     is) and the cached built-in backbone of every other task, so that parallel runs do not race to build
@@ -85,9 +88,9 @@ def prebuild_backbones(runs: Sequence[Run], log: Callable[[str], None]) -> None:
 
     for directory, stage in stages_of(runs).items():
         if stage_status(stage) == "finished":
-            log(f"[sweep] entangled stage {directory}: finished, reused")
+            logger.info(f"[sweep] entangled stage {directory}: finished, reused")
             continue
-        log(f"[sweep] entangled stage {directory}: training ({', '.join(f'{k}={v}' for k, v in sorted(stage.items()) if k != 'output_dir')})")
+        logger.info(f"[sweep] entangled stage {directory}: training ({', '.join(f'{k}={v}' for k, v in sorted(stage.items()) if k != 'output_dir')})")
         # --resume auto: a stage interrupted with the sweep continues from its newest checkpoint
         code = subprocess.run([sys.executable, "-m", "zcvae", "pretrain", *command_args(stage)]).returncode
         if code == EXIT_PREEMPTED:
@@ -97,11 +100,11 @@ def prebuild_backbones(runs: Sequence[Run], log: Callable[[str], None]) -> None:
                              f"no run was started")
     tasks = {run.params.get("task") for run in runs if run.params.get("backbone") is None and run.params.get("train_data") is None}
     for task in sorted(tasks, key=str):
-        builtin_backbone(task, log=log)
+        builtin_backbone(task)
 
 
 def run_local(
-    runs: Sequence[Run], *, jobs: int = 1, log: Callable[[str], None] = print, progress_bar: bool = True
+    runs: Sequence[Run], *, jobs: int = 1, progress_bar: bool = True
 ) -> tuple[list[Run], list[tuple[Run, str]]]:
     """Train ``runs`` on this machine, ``jobs`` ``zcvae train`` processes at a time; return (runs trained
     now, [(failed run, why)]). A failed run does not stop the others.
@@ -121,11 +124,11 @@ def run_local(
         if not run_finished(run):
             todo.append(run)
         elif (why := finished_run_mismatch(run)) is not None:
-            log(f"[sweep] {run.name}: not run: {why}")
+            logger.info(f"[sweep] {run.name}: not run: {why}")
             failed.append((run, why))  # the finished run stays as it is: nothing written is overwritten
         else:
-            log(f"[sweep] {run.name}: finished, skipped")
-    prebuild_backbones(todo, log)
+            logger.info(f"[sweep] {run.name}: finished, skipped")
+    prebuild_backbones(todo)
     done: list[Run] = []
     pending = list(todo)
     active: list[tuple[Run, subprocess.Popen, IO | None]] = []
@@ -137,8 +140,8 @@ def run_local(
                 stopping = signals.received is not None or bool(preempted)
                 while pending and len(active) < jobs and not stopping:
                     run = pending.pop(0)
-                    log(f"[sweep] run {len(todo) - len(pending)}/{len(todo)}: {run.name}"
-                        + (f" (log: {Path(run.params['output_dir']) / TRAIN_LOG})" if jobs > 1 else ""))
+                    logger.info(f"[sweep] run {len(todo) - len(pending)}/{len(todo)}: {run.name}"
+                                + (f" (log: {Path(run.params['output_dir']) / TRAIN_LOG})" if jobs > 1 else ""))
                     active.append((run, *_start(run, one_at_a_time=jobs == 1, progress_bar=progress_bar)))
                 if stopping:
                     pending.clear()
@@ -147,7 +150,7 @@ def run_local(
                             proc.send_signal(signal.SIGTERM)
                             stop_sent.add(proc.pid)
                 time.sleep(_POLL_S)
-                active = _reap(active, done=done, failed=failed, preempted=preempted, log=log)
+                active = _reap(active, done=done, failed=failed, preempted=preempted)
         except KeyboardInterrupt:
             # Ctrl-C reached the runs too (one process group): let each remove its half-written checkpoint
             for _, proc, _ in active:
@@ -159,7 +162,7 @@ def run_local(
     return done, failed
 
 
-def _reap(active, *, done: list, failed: list, preempted: list, log) -> list:
+def _reap(active, *, done: list, failed: list, preempted: list) -> list:
     """The runs of ``active`` still running; each one that ended is sorted into done, failed or preempted."""
     from zcvae.loop.guards import EXIT_PREEMPTED
 
@@ -174,13 +177,13 @@ def _reap(active, *, done: list, failed: list, preempted: list, log) -> list:
         where = f", see {Path(run.params['output_dir']) / TRAIN_LOG}" if handle is not None else ""
         if code == 0:
             done.append(run)
-            log(f"[sweep] {run.name}: done")
+            logger.info(f"[sweep] {run.name}: done")
         elif code == EXIT_PREEMPTED:
             preempted.append(run.name)
-            log(f"[sweep] {run.name}: stopped at a checkpoint (exit {code})")
+            logger.info(f"[sweep] {run.name}: stopped at a checkpoint (exit {code})")
         else:
             failed.append((run, f"exit {code}{where}"))
-            log(f"[sweep] {run.name}: FAILED (exit {code}){where}")
+            logger.info(f"[sweep] {run.name}: FAILED (exit {code}){where}")
     return still
 
 

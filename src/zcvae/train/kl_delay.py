@@ -23,13 +23,16 @@ middle of the delay checks where the uninterrupted one did.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from zcvae.data.encoding import collate
+
+logger = logging.getLogger(__name__)
 
 # y e times likelier under the best z than under the worst: far above what the z rows alone move in a decoder that
 # ignores z, far below the gap at a strategy's decision token once the decoder reads z (several nats)
@@ -140,8 +143,7 @@ class KLDelay:
         return out
 
 
-def check_delay(delay: KLDelay, done: int, *, engine, model, probe: list, batch_size: int, num_z_slots: int,
-                log: Callable[[str], None]) -> str | None:
+def check_delay(delay: KLDelay, done: int, *, engine, model, probe: list, batch_size: int, num_z_slots: int) -> str | None:
     """One check of ``delay`` after ``done`` steps (collective); says the line when the delay ends. The share is
     all-reduced as counts, so every rank takes the same decision."""
     seq_nll_BK = probe_seq_nll_BK(engine, model, probe, batch_size=batch_size, num_z_slots=num_z_slots)
@@ -150,7 +152,7 @@ def check_delay(delay: KLDelay, done: int, *, engine, model, probe: list, batch_
     share = float(reads_total[0] / reads_total[1].clamp_min(1))
     reason = delay.update(done, share)
     if reason is not None:
-        log(delay.line(done, len(probe)))
+        logger.info(delay.line(done, len(probe)))
     return reason
 
 

@@ -14,6 +14,7 @@ step. The trainer never branches on the engine type.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from zcvae.loop.setup import SetupPhases
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
 from zcvae.data.encoding import collate, encode_examples
 
+logger = logging.getLogger(__name__)
+
 
 # --------------------------------------------------------------------------- the loop
 def seed_everything(seed: int) -> None:
@@ -45,7 +48,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: TrainConfig, *, log=print, overwrite: bool = False, allow_changes: tuple[str, ...] = ()) -> dict[str, float]:
+def train(cfg: TrainConfig, *, overwrite: bool = False, allow_changes: tuple[str, ...] = ()) -> dict[str, float]:
     """Train one run; returns the final evaluation metrics (on every rank).
 
     ``overwrite``: delete an earlier run in ``cfg.run.output_dir`` (after saying so) instead of refusing it.
@@ -65,34 +68,34 @@ def train(cfg: TrainConfig, *, log=print, overwrite: bool = False, allow_changes
         if lock is not None:
             lock.acquire()
         try:
-            return _train(cfg, log=log, overwrite=overwrite, allow_changes=tuple(allow_changes), signals=signals)
+            return _train(cfg, overwrite=overwrite, allow_changes=tuple(allow_changes), signals=signals)
         finally:
             if lock is not None:
                 lock.release()
 
 
-def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, ...], signals: StopSignals) -> dict[str, float]:
+def _train(cfg: TrainConfig, *, overwrite: bool, allow_changes: tuple[str, ...], signals: StopSignals) -> dict[str, float]:
     """The run in named steps, in this order (each consumes the random state the next one expects)."""
     from zcvae.engines import build_engine
     from zcvae.reference.provider import ReferenceProvider
 
     # 1. processes, seeds, run directory
-    info, cpu, follower, say = _start_processes(log, follow_cores=cfg.run.follow_cores)
+    info, cpu, follower = _start_processes(follow_cores=cfg.run.follow_cores)
     seed_everything(cfg.optimization.seed)
     if cfg.run.run_name is None:  # a copy: the caller's config stays as given
         cfg = cfg.replace(run_name=train_run_name(cfg.to_dict()))
     run_dir = Path(cfg.run.output_dir)
-    prepare_run_dir(run_dir, resume=cfg.run.resume is not None, overwrite=overwrite, is_main=info.rank == 0, log=say,
+    prepare_run_dir(run_dir, resume=cfg.run.resume is not None, overwrite=overwrite, is_main=info.rank == 0,
                     keep={"backbone": cfg.model.backbone, "train_data": cfg.data.train_data, "val_data": cfg.data.val_data})
 
     # setup: each phase named, timed and stoppable within seconds by SIGTERM/SIGUSR1 (zcvae.loop.setup)
-    phases = SetupPhases.for_process_group(signals, say=say)
+    phases = SetupPhases.for_process_group(signals)
     if cfg.run.resume is not None:
         phases.hint = "nothing written; the same command with --resume continues from its checkpoint"
 
     # 2. data and backbone
     with phases.phase("loading the backbone"):
-        data = _load_data_and_model(cfg, say=say, cpu=cpu)
+        data = _load_data_and_model(cfg, cpu=cpu)
     cfg, model, train_enc, val_enc = data.cfg, data.model, data.train_enc, data.val_enc
 
     # 3. engine and optimizer (a sharded build gets its weights here); fail loudly if a latent parameter would not train
@@ -117,19 +120,19 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
     global_batch = cfg.optimization.micro_batch_size * cfg.optimization.gradient_accumulation_steps * info.world_size
     passes = passes_over_data(num_examples=len(train_enc), global_batch_size=global_batch, max_steps=cfg.optimization.max_steps)
     reference = ReferenceProvider.build(
-        cfg, engine=engine, model=model, backbone=data.backbone, train=train_enc, val=val_enc, passes=passes, log=say, phases=phases
+        cfg, engine=engine, model=model, backbone=data.backbone, train=train_enc, val=val_enc, passes=passes, phases=phases
     )
-    data.health.check_c_base(reference.c_base, val=val_enc, examples=data.splits.val, task=data.splits.task, log=say)  # warns only
-    data.health.check_weights(reference.degenerate_weights, log=say)  # warns only: examples whose b leaves pi (nearly) uniform
+    data.health.check_c_base(reference.c_base, val=val_enc, examples=data.splits.val, task=data.splits.task)  # warns only
+    data.health.check_weights(reference.degenerate_weights)  # warns only: examples whose b leaves pi (nearly) uniform
 
     # 5. resume (or not), then run_config.json
     with phases.phase("resuming from the checkpoint" if cfg.run.resume is not None else "opening the checkpoints"):
         checkpoints, state = _open_checkpoints(cfg, engine=engine, reference=reference, allow_changes=allow_changes,
-                                               is_main=info.rank == 0, say=say)
+                                               is_main=info.rank == 0)
     if state is not None and state["step"] == cfg.optimization.max_steps and state["step"] > 0:
         from zcvae.runs.rundir import final_eval_metrics
 
-        say(f"[resume] checkpoint {state['checkpoint']!r} is already at max_steps {cfg.optimization.max_steps}: the run is complete, nothing written")
+        logger.info(f"[resume] checkpoint {state['checkpoint']!r} is already at max_steps {cfg.optimization.max_steps}: the run is complete, nothing written")
         return final_eval_metrics(run_dir)[1]
     if info.rank == 0:
         metadata = run_metadata(cfg, data.backbone, info.world_size, data.splits, data.train_report, data.val_report, reference,
@@ -142,25 +145,23 @@ def _train(cfg: TrainConfig, *, log, overwrite: bool, allow_changes: tuple[str, 
                       group_names=[g["name"] for g in groups], reference=reference, checkpoints=checkpoints,
                       start_step=0 if state is None else state["step"], trainer_state=None if state is None else (state["meta"] or {}).get("trainer_state"),
                       trainer_tensors={} if state is None else state.get("trainer_tensors", {}),
-                      world_size=info.world_size, is_main=info.rank == 0, signals=signals, phases=phases, follower=follower, say=say)
-    _finish(cfg, final, run_dir=run_dir, is_main=info.rank == 0, say=say)
+                      world_size=info.world_size, is_main=info.rank == 0, signals=signals, phases=phases, follower=follower)
+    _finish(cfg, final, run_dir=run_dir, is_main=info.rank == 0)
     return final
 
 
-def _start_processes(log, *, follow_cores: bool = False):
+def _start_processes(*, follow_cores: bool = False):
     """Start the process group, set the CPU threads (``follow_cores``: ``--follow-cores``); returns (dist info, the cpu record, the thread follower or
-    None, rank 0's log)."""
+    None)."""
     # No group at world size 1 yet: the engines that need one even alone start it themselves.
     info = init_distributed()
-    is_main = info.rank == 0
-    flushes = flush_denormals(log=log if is_main else None)
+    flushes = flush_denormals()
     # a fixed count unless --follow-cores (zcvae.cpu.cpu_threads: the count changes the last digits); the ranks
     # of one job always keep theirs (torchrun sets OMP_NUM_THREADS=1 anyway)
     follow = follow_cores and info.world_size == 1
     follower, threads_from = cpu_threads(follow=follow) if info.device.type == "cpu" else (None, "torch default")
     cpu = {"flush_denormals": flushes, "num_threads": torch.get_num_threads(), "num_threads_from": threads_from}
-    say = log if is_main else (lambda *a, **k: None)
-    return info, cpu, follower, say
+    return info, cpu, follower
 
 
 @dataclasses.dataclass
@@ -179,7 +180,7 @@ class _RunData:
     calibration: object  # the batch the router's statistics come from (calibrated through the engine)
 
 
-def _load_data_and_model(cfg: TrainConfig, *, say, cpu: dict) -> _RunData:
+def _load_data_and_model(cfg: TrainConfig, *, cpu: dict) -> _RunData:
     """Splits, backbone (marker check before its weights load), model, encoded examples, the KL factor, calibration.
     ``cpu``: the run's CPU record, which gets ``heap_limit`` (whether glibc's heap is capped for this backbone)."""
     from zcvae.engines import sharded_loading
@@ -187,48 +188,48 @@ def _load_data_and_model(cfg: TrainConfig, *, say, cpu: dict) -> _RunData:
     from zcvae.reference.health import check_markers
 
     splits = load_splits(cfg)
-    backbone = resolve_backbone_path(cfg.model.backbone, log=say) if cfg.model.backbone else default_backbone(cfg, log=say)
+    backbone = resolve_backbone_path(cfg.model.backbone) if cfg.model.backbone else default_backbone(cfg)
     if (conversion := conversion_record(backbone)) is not None:
-        say(f"[backbone] {backbone}: {describe_conversion(conversion)}")
+        logger.info(f"[backbone] {backbone}: {describe_conversion(conversion)}")
     # exits 2 (ValueError) on a backbone without the template markers, before its weights load
-    health = check_markers(cfg, backbone, log=say)
+    health = check_markers(cfg, backbone)
     # before the weights load: a large backbone's freed tensors go back to the system (zcvae.cpu.limit_heap_retention)
     cpu["heap_limit"] = limit_heap_retention(weight_bytes=sum(f.stat().st_size for f in Path(backbone).glob("*.safetensors")))
     # ZeRO-3 and FSDP2 build the model without its weights (each rank later keeps its shard); the others load it whole
     loading = sharded_loading(cfg.engine_config())
     model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.optimization.seed, loading=loading)
     if loading is not None:
-        say(f"[backbone] sharded load ({cfg.engine.engine}): weights stream from rank 0 once the engine has sharded the model; "
-            f"frozen base in {cfg.resolved_base_dtype}")
-    check_limits(cfg, model, backbone=backbone, log=say)
+        logger.info(f"[backbone] sharded load ({cfg.engine.engine}): weights stream from rank 0 once the engine has sharded the model; "
+                    f"frozen base in {cfg.resolved_base_dtype}")
+    check_limits(cfg, model, backbone=backbone)
     num_slots = cfg.slot_tokens
     train_enc, train_report = encode_examples(splits.train, model.tokenizer, model.tokens, max_length=cfg.data.max_length, num_z_slots=num_slots)
     val_enc, val_report = encode_examples(splits.val, model.tokenizer, model.tokens, max_length=cfg.data.max_length, num_z_slots=num_slots)
     for name, report in (("train", train_report), ("val", val_report)):
-        report_encoding(name, report, say=say)
+        report_encoding(name, report)
     if not train_enc or not val_enc:
         raise ValueError(f"no usable example left: train {len(train_enc)}, val {len(val_enc)} (see the skip messages above)")
-    cfg = resolve_scale_factors(cfg, mean_num_tokens=float(np.mean([ex.num_supervised for ex in val_enc])), say=say)
+    cfg = resolve_scale_factors(cfg, mean_num_tokens=float(np.mean([ex.num_supervised for ex in val_enc])))
     calibration = collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots)
     return _RunData(cfg=cfg, splits=splits, backbone=backbone, health=health, model=model, train_enc=train_enc, val_enc=val_enc,
                     train_report=train_report, val_report=val_report, calibration=calibration)
 
 
-def report_encoding(name: str, report, *, say) -> None:
+def report_encoding(name: str, report) -> None:
     """Say what encoding skipped, truncated or could not tokenize; ValueError when most tokens are unknown."""
     if report.num_skipped:
-        say(f"[data] {name}: skipped {report.num_skipped} of {report.num_examples} examples, e.g. {report.skipped[:3]}")
+        logger.info(f"[data] {name}: skipped {report.num_skipped} of {report.num_examples} examples, e.g. {report.skipped[:3]}")
     if report.num_x_truncated:
-        say(f"[data] {name}: truncated x of {report.num_x_truncated} examples from the left")
+        logger.info(f"[data] {name}: truncated x of {report.num_x_truncated} examples from the left")
     if report.num_unknown_tokens:
-        say(f"[data] {name}: {report.num_unknown_tokens} of {report.num_tokens} tokens are unknown to the tokenizer "
-            f"(<unk>), e.g. in example {report.unknown_example!r}")
+        logger.info(f"[data] {name}: {report.num_unknown_tokens} of {report.num_tokens} tokens are unknown to the tokenizer "
+                    f"(<unk>), e.g. in example {report.unknown_example!r}")
         if report.num_unknown_tokens > report.num_tokens / 2:
             raise ValueError(f"{name} data: {report.num_unknown_tokens} of {report.num_tokens} tokens are unknown (<unk>, e.g. "
                              f"example {report.unknown_example!r}): the backbone's tokenizer does not fit the data")
 
 
-def _open_checkpoints(cfg: TrainConfig, *, engine, reference, allow_changes, is_main: bool, say):
+def _open_checkpoints(cfg: TrainConfig, *, engine, reference, allow_changes, is_main: bool):
     """The checkpoint manager, and the resumed state (None on a fresh run); metrics past the resumed step are dropped."""
     from zcvae.runs.checkpoint import CheckpointManager
 
@@ -247,15 +248,14 @@ def _open_checkpoints(cfg: TrainConfig, *, engine, reference, allow_changes, is_
         )
     if start_step == cfg.optimization.max_steps and start_step > 0:
         return checkpoints, state  # complete: the caller returns its final metrics
-    say(f"[resume] from step {start_step}" + resume_note(state, cfg))
+    logger.info(f"[resume] from step {start_step}" + resume_note(state, cfg))
     if is_main:
         truncate_metrics(run_dir / METRICS, after_step=start_step)
     return checkpoints, state
 
 
 def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, group_names, reference, checkpoints, start_step: int,
-              trainer_state: dict | None, trainer_tensors: dict, world_size: int, is_main: bool, signals, phases, follower,
-              say) -> dict[str, float]:
+              trainer_state: dict | None, trainer_tensors: dict, world_size: int, is_main: bool, signals, phases, follower) -> dict[str, float]:
     """The step loop with the CVAE objective, evaluating every ``eval_every`` steps and at the end.
     ``trainer_state``, ``trainer_tensors``: the objective's state saved with the resumed checkpoint (None and {}: a fresh
     run, or one saved before it)."""
@@ -263,9 +263,9 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
 
     run_dir = Path(cfg.run.output_dir)
     recon_cfg = cfg.reconstruction_config()
-    logger = RunLogger(run_dir, enabled=is_main, report_to=cfg.run.report_to, run_name=cfg.run.run_name)
-    say(f"[run] {cfg.run.run_name}: {len(data.train_enc)} train / {len(data.val_enc)} val examples, world {world_size}, "
-        f"engine {cfg.engine.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
+    run_logger = RunLogger(run_dir, enabled=is_main, report_to=cfg.run.report_to, run_name=cfg.run.run_name)
+    logger.info(f"[run] {cfg.run.run_name}: {len(data.train_enc)} train / {len(data.val_enc)} val examples, world {world_size}, "
+                f"engine {cfg.engine.engine}, reference {reference.policy}, c_base[{recon_cfg.token_aggregation_mode}] = {reference.c_base.value:.4f}")
 
     settings = loop_settings(cfg)
 
@@ -278,42 +278,42 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
         with phases.phase(f"the evaluation at step {step}"):
             metrics = evaluate(engine=engine, model=model, cfg=cfg, val=data.val_enc, reference=reference, task=data.splits.task,
                                run_dir=run_dir, step=step, tick=phases.tick)
-        logger.log("eval", step, metrics)
+        run_logger.log("eval", step, metrics)
         if step in settings.eval_at:  # the end of the KL delay
             from zcvae.eval.verdict import delay_end_note
 
             if (note := delay_end_note(metrics, cfg.to_dict(), step=step)) is not None:
-                say(note)
+                logger.info(note)
         return metrics
 
     # the posterior gradient of the dilution argument (docs/objective.md#dilution), every grad_probe_every steps (zcvae.train.grad_probe: reads the same forward)
     probe = GradientProbe.for_model(model, task=data.splits.task, tokenizer=model.tokenizer) if cfg.run.grad_probe_every else None
     objective = CVAEObjective(cfg, engine=engine, model=model, train=data.train_enc, reference=reference, recon_cfg=recon_cfg,
-                              probe=probe, logger=logger, val=data.val_enc, eval_at=settings.eval_at, log=say)
+                              probe=probe, run_logger=run_logger, val=data.val_enc, eval_at=settings.eval_at)
     objective.load_state_dict(trainer_state, tensors=trainer_tensors)
     final = run_loop(
         engine=engine, objective=objective, settings=settings, num_examples=len(data.train_enc),
         peak_lrs=peak_lrs, group_names=group_names, lr_factor=lambda step: lr_factor_at(cfg, step),
         start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": cfg, "c_base": reference.c_base},
-        evaluate=run_eval, logger=logger, signals=signals, log=say, cpu_threads=follower,
+        evaluate=run_eval, run_logger=run_logger, signals=signals, cpu_threads=follower,
     )
     final.update(objective.delay_metrics())
-    logger.hparams(cfg, final)
-    logger.close()
+    run_logger.hparams(cfg, final)
+    run_logger.close()
     return final
 
 
-def _finish(cfg: TrainConfig, final: dict[str, float], *, run_dir: Path, is_main: bool, say) -> None:
+def _finish(cfg: TrainConfig, final: dict[str, float], *, run_dir: Path, is_main: bool) -> None:
     """The closing lines, and the verdict (after the checkpoint: a verdict must never cost a run)."""
     from zcvae.reference.health import closure_note
 
-    say(f"[done] {cfg.run.run_name}: " + ", ".join(f"{k}={final[k]:.3f}" for k in ("nmi", "mi", "kl", "exact_match") if k in final))
+    logger.info(f"[done] {cfg.run.run_name}: " + ", ".join(f"{k}={final[k]:.3f}" for k in ("nmi", "mi", "kl", "exact_match") if k in final))
     if (note := closure_note(final)) is not None:
-        say(note)
+        logger.info(note)
     if is_main:
         from zcvae.eval.verdict import report_verdict
 
-        report_verdict(run_dir, final, cfg.to_dict(), step=cfg.optimization.max_steps, source="train", log=say)
+        report_verdict(run_dir, final, cfg.to_dict(), step=cfg.optimization.max_steps, source="train")
 
 
 def loop_settings(cfg: TrainConfig) -> LoopSettings:
@@ -334,9 +334,9 @@ class CVAEObjective:
     own all-reduce per global micro-batch) and the gradient probe; with ``reference_refresh_every`` N, the
     reference's copy of the adapter renewed after every N-th step (and kept in the checkpoint)."""
 
-    def __init__(self, cfg: TrainConfig, *, engine, model, train, reference, recon_cfg, probe, logger, val=(), eval_at=None, log=print):
+    def __init__(self, cfg: TrainConfig, *, engine, model, train, reference, recon_cfg, probe, run_logger, val=(), eval_at=None):
         self.cfg, self.engine, self.model, self.train = cfg, engine, model, train
-        self.reference, self.recon_cfg, self.probe, self.logger = reference, recon_cfg, probe, logger
+        self.reference, self.recon_cfg, self.probe, self.run_logger = reference, recon_cfg, probe, run_logger
         self.beta, self.probing = 0.0, False
         self.aux = AuxiliaryWeights.from_train_config(cfg, beta=self.beta)
         # --kl-delay-mode read: the delay ends when the decoder reads z on a fixed probe set (zcvae.train.kl_delay)
@@ -344,7 +344,7 @@ class CVAEObjective:
         self.delay_probe = list(val[:READ_PROBE_EXAMPLES])
         if self.delay.evidence and (cfg.model.latent_type != "discrete" or cfg.model.num_latents < 2):
             raise ValueError("kl_delay_mode read needs a discrete latent with num_latents >= 2 (it compares the decoder across z)")
-        self.eval_at, self.log = eval_at, log
+        self.eval_at = eval_at
         self.refresh_every = cfg.objective.reference_refresh_every
 
     def begin_step(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> tuple[list, list[float]]:
@@ -381,11 +381,11 @@ class CVAEObjective:
             # after the step, before its evaluation and checkpoint: steps done+1 .. done+N read this copy
             self.model.refresh_reference()
         if self.probing:
-            self.logger.log(PROBE_SPLIT, done, self.probe.result(kl_weight=self.beta, all_reduce=self.engine.all_reduce))
+            self.run_logger.log(PROBE_SPLIT, done, self.probe.result(kl_weight=self.beta, all_reduce=self.engine.all_reduce))
         if self.delay.checks_after(done):
             ended = check_delay(self.delay, done, engine=self.engine, model=self.model, probe=self.delay_probe,
-                                batch_size=self.cfg.optimization.micro_batch_size, num_z_slots=self.cfg.slot_tokens, log=self.log)
-            self.logger.log(KL_DELAY_SPLIT, done, self.delay.record())
+                                batch_size=self.cfg.optimization.micro_batch_size, num_z_slots=self.cfg.slot_tokens)
+            self.run_logger.log(KL_DELAY_SPLIT, done, self.delay.record())
             if ended is not None and self.eval_at is not None:
                 self.eval_at.add(done)  # the delay-end evaluation and its [kl] line (_run_loop.run_eval)
 
@@ -414,14 +414,14 @@ class CVAEObjective:
         return {"kl_weight": self.beta, "c_base": self.reference.c_base.value}
 
 
-def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
+def check_limits(cfg: TrainConfig, model, *, backbone) -> None:
     """Limits checked before any step: ValueError when ``--max-length`` exceeds the positions the
     backbone was built for (past them a learned position table indexes out of range and a rotary model
     runs on positions it never saw); a note when K is more than the latent figure draws."""
     from zcvae.eval.figures import MAX_FIGURE_ROWS
 
     if cfg.model.latent_type == "discrete" and cfg.model.num_latents > MAX_FIGURE_ROWS:
-        log(f"[eval] num_latents {cfg.model.num_latents} > {MAX_FIGURE_ROWS}: latents.png shows the {MAX_FIGURE_ROWS} most used latents")
+        logger.info(f"[eval] num_latents {cfg.model.num_latents} > {MAX_FIGURE_ROWS}: latents.png shows the {MAX_FIGURE_ROWS} most used latents")
     from zcvae.model.hf_compat import position_limit
 
     limit = position_limit(getattr(getattr(model, "peft_model", None), "config", None))
@@ -430,10 +430,10 @@ def check_limits(cfg: TrainConfig, model, *, backbone, log=print) -> None:
                          f"{str(backbone)!r}); use --max-length {limit} or less")
 
 
-def default_backbone(cfg: TrainConfig, *, log=print) -> str:
+def default_backbone(cfg: TrainConfig) -> str:
     """The built-in tiny backbone pretrained on the run's task, built once and cached."""
     from zcvae.backbone.builtin import builtin_backbone
 
     if cfg.data.train_data is not None:
         raise ValueError("--backbone is required with --train-data (pretrain one with `zcvae pretrain --train-data ...`)")
-    return str(builtin_backbone(cfg.data.task, log=log))
+    return str(builtin_backbone(cfg.data.task))

@@ -15,6 +15,7 @@ from zcvae.backbone.stage_config import CHECKPOINT_FILES, SUMMARY_FILE, Pretrain
 from zcvae.backbone.stage_data import mix_templates, span_nll
 from zcvae.backbone.stage_eval import evaluate_nll
 from zcvae.backbone.stage_model import tiny_llama_config
+from zcvae.console import capture_lines
 from zcvae.core.schedule import lr_multiplier
 from zcvae.data import Example, build_tokenizer, make_examples, write_jsonl
 from zcvae.data.encoding import IGNORE_INDEX, collate, encode_examples, prepare_tokenizer
@@ -29,8 +30,8 @@ def run(tmp_path_factory):
         task="copy", output_dir=str(out), max_steps=40, batch_size=32, learning_rate=1e-2, warmup_steps=5,
         num_train_examples=640, num_val_examples=48, log_every=20, num_decode_examples=8, **TINY,
     )
-    lines = []
-    summary = pretrain(config, log=lines.append)
+    with capture_lines() as lines:
+        summary = pretrain(config)
     return config, summary, lines
 
 
@@ -147,7 +148,6 @@ def test_jsonl_train_and_val_data(tmp_path):
     summary = pretrain(
         PretrainConfig(train_data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "val.jsonl"),
                        output_dir=str(out), max_steps=3, batch_size=16, log_every=1, **TINY),
-        log=lambda _: None,
     )
     assert is_pretrained(out)
     assert summary["config"]["task"] is None and summary["floor_nll_per_example"] is None

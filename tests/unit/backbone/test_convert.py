@@ -88,7 +88,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def converted(tiny_gguf, tmp_path_factory) -> Path:
-    return convert_gguf(tiny_gguf, tmp_path_factory.mktemp("hf") / "tiny", log=lambda line: None)
+    return convert_gguf(tiny_gguf, tmp_path_factory.mktemp("hf") / "tiny")
 
 
 def test_conversion_is_gguf_dequantization_and_recorded(tiny_gguf, converted):
@@ -119,34 +119,34 @@ def test_conversion_is_gguf_dequantization_and_recorded(tiny_gguf, converted):
     assert len(tokenizer) == 262 and tokenizer.decode(tokenizer(" 1 2 3 12")["input_ids"]) == " 1 2 3 12"
 
 
-def test_cache_is_keyed_by_content(tiny_gguf, tmp_path, monkeypatch):
+def test_cache_is_keyed_by_content(tiny_gguf, tmp_path, monkeypatch, logged):
     monkeypatch.setenv("ZCVAE_CACHE", str(tmp_path / "cache"))
     same = tmp_path / "elsewhere" / "copy.gguf"
     same.parent.mkdir()
     same.write_bytes(tiny_gguf.read_bytes())
-    lines: list[str] = []
-    first = cached_conversion(tiny_gguf, log=lines.append)
+    lines = logged
+    first = cached_conversion(tiny_gguf)
     assert first.parent == tmp_path / "cache" / "gguf" and first.name.endswith(file_sha256(tiny_gguf)[:16])
     mtime = (first / "model.safetensors").stat().st_mtime_ns
     # the same bytes under another name: the same content key, found converted
-    assert cached_conversion(same, log=lines.append) == first and "up to date" in lines[-1]
-    assert resolve_backbone_path(str(tiny_gguf), log=lines.append) == str(first)
+    assert cached_conversion(same) == first and "up to date" in lines[-1]
+    assert resolve_backbone_path(str(tiny_gguf)) == str(first)
     assert "up to date" in lines[-1] and (first / "model.safetensors").stat().st_mtime_ns == mtime
     # the file replaced in place with other weights: a new key, never the stale conversion
     write_tiny_gguf(tiny_gguf.parent / "other.gguf", seed=1)
     (tiny_gguf.parent / "other.gguf").replace(same)
-    changed = cached_conversion(same, log=lines.append)
+    changed = cached_conversion(same)
     assert changed != first and conversion_record(changed)["sha256"] == file_sha256(same)
 
 
 def test_a_failed_conversion_leaves_the_previous_one_and_no_temporary(tiny_gguf, converted, tmp_path):
     out = tmp_path / "hf"
-    convert_gguf(tiny_gguf, out, log=lambda line: None)
+    convert_gguf(tiny_gguf, out)
     before = conversion_record(out)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file" * 8)
     with pytest.raises(ValueError, match=r"bad\.gguf.*not a readable GGUF file"):
-        convert_gguf(bad, out, log=lambda line: None)
+        convert_gguf(bad, out)
     assert conversion_record(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf", "hf"]
 

@@ -44,7 +44,7 @@ def reloaded_val_nll(out: Path, summary: dict) -> float:
     tokens = template_tokens(tok, num_latents=0)
     cfg = PretrainConfig.from_dict(summary["config"])
     _, _, _, val_ex, _ = load_data(cfg, tokenizer=tok)
-    val = encode_split(val_ex, tok, tokens, max_length=cfg.max_length, what="val", log=print)
+    val = encode_split(val_ex, tok, tokens, max_length=cfg.max_length, what="val")
     return evaluate_nll(model, val, tokens)["zfree"]["nll_per_example"]
 
 
@@ -56,7 +56,7 @@ def test_lora_stage_trains_markers_merges_exactly_and_loads_in_train(tmp_path, r
 
     source = raw_tiny_backbone(tied=tied)
     out = tmp_path / "entangled"
-    summary = pretrain(stage_config(source, out), log=lambda *_: None)
+    summary = pretrain(stage_config(source, out))
     assert is_pretrained(out)
     assert json.loads((out / "pretrain_summary.json").read_text()) == json.loads(json.dumps(summary))
 
@@ -97,7 +97,7 @@ def test_lora_stage_trains_markers_merges_exactly_and_loads_in_train(tmp_path, r
 def test_full_finetune_trains_every_weight(tmp_path, raw_tiny_backbone):
     source = raw_tiny_backbone()
     out = tmp_path / "full"
-    summary = pretrain(stage_config(source, out, full_finetune=True), log=lambda *_: None)
+    summary = pretrain(stage_config(source, out, full_finetune=True))
     assert summary["source"]["method"] == "full"
     assert summary["num_trained_parameters"] == summary["num_parameters"]
     before, _ = load_plain(source)
@@ -108,19 +108,19 @@ def test_full_finetune_trains_every_weight(tmp_path, raw_tiny_backbone):
 
 def test_stage_is_deterministic_for_a_seed(tmp_path, raw_tiny_backbone):
     source = raw_tiny_backbone()
-    a = pretrain(stage_config(source, tmp_path / "a"), log=lambda *_: None)
-    b = pretrain(stage_config(source, tmp_path / "b"), log=lambda *_: None)
+    a = pretrain(stage_config(source, tmp_path / "a"))
+    b = pretrain(stage_config(source, tmp_path / "b"))
     assert a["val"] == b["val"]
 
 
 def test_bad_stage_configs_name_the_field(tmp_path, raw_tiny_backbone):
     source = raw_tiny_backbone()
     with pytest.raises(ValueError, match="max_length 4096 exceeds the backbone's 128 positions"):
-        pretrain(stage_config(source, tmp_path / "o", max_length=4096), log=lambda *_: None)
+        pretrain(stage_config(source, tmp_path / "o", max_length=4096))
     with pytest.raises(ValueError, match="full_finetune needs backbone"):
         PretrainConfig(full_finetune=True)
     with pytest.raises(ValueError, match="neither a Hugging Face model directory"):
-        pretrain(stage_config(tmp_path, tmp_path / "o"), log=lambda *_: None)
+        pretrain(stage_config(tmp_path, tmp_path / "o"))
     assert not (tmp_path / "o").exists()
 
 
@@ -147,24 +147,24 @@ def test_decision_word_maps_to_its_token_for_word_level_and_bpe_tokenizers():
     assert "".join(pieces[position:position + 6]).replace("Ġ", " ").strip() == "count"
 
 
-def test_stage_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, raw_tiny_backbone):
+def test_stage_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, raw_tiny_backbone, logged):
     """A stage stopped after its step-2 checkpoint (the later checkpoint and the HF files gone, as a crash
     leaves them) and resumed with resume="auto" ends with bitwise the weights of an uninterrupted run."""
     from safetensors.torch import load_file
 
     source = raw_tiny_backbone()
     settings = dict(max_steps=4, save_every=2, keep_last_checkpoints=5, log_every=1)
-    pretrain(stage_config(source, tmp_path / "a", **settings), log=lambda *_: None)
+    pretrain(stage_config(source, tmp_path / "a", **settings))
     b = tmp_path / "b"
-    pretrain(stage_config(source, b, **settings), log=lambda *_: None)
+    pretrain(stage_config(source, b, **settings))
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
     shutil.rmtree(b / "checkpoints" / "step_00000004")
     for name in ("pretrain_summary.json", "model.safetensors"):
         (b / name).unlink()
     assert not is_pretrained(b)
 
-    lines = []
-    summary = pretrain(stage_config(source, b, resume="auto", **settings), log=lines.append)
+    lines = logged
+    summary = pretrain(stage_config(source, b, resume="auto", **settings))
     assert "[resume] from step 2" in lines and summary["resumed_from_step"] == 2
     assert is_pretrained(b)
     want, got = load_file(tmp_path / "a" / "model.safetensors"), load_file(b / "model.safetensors")
@@ -185,7 +185,7 @@ def test_stage_writes_its_run_state_and_a_rerun_replaces_it(tmp_path, raw_tiny_b
 
     source = raw_tiny_backbone()
     out = tmp_path / "stage"
-    pretrain(stage_config(source, out, log_every=2), log=lambda *_: None)
+    pretrain(stage_config(source, out, log_every=2))
     names = {p.name for p in out.iterdir()}
     assert {"checkpoints", "metrics.jsonl", "tensorboard", "config.json", "model.safetensors", "pretrain_summary.json"} <= names
     assert not any(name.endswith(".tmp") for name in names)
@@ -193,7 +193,7 @@ def test_stage_writes_its_run_state_and_a_rerun_replaces_it(tmp_path, raw_tiny_b
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["split"] == "train"]
     assert steps == [2, 4, 6]
-    pretrain(stage_config(source, out, log_every=3), log=lambda *_: None)
+    pretrain(stage_config(source, out, log_every=3))
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["split"] == "train"]
     assert steps == [3, 6] and is_pretrained(out)
@@ -205,5 +205,5 @@ def test_stage_refuses_a_directory_that_holds_no_stage(tmp_path, raw_tiny_backbo
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
     with pytest.raises(ValueError, match="holds other files .*notes.txt.*not a pretraining stage"):
-        pretrain(stage_config(source, out), log=lambda *_: None)
+        pretrain(stage_config(source, out))
     assert (out / "notes.txt").read_text() == "keep me"

@@ -228,7 +228,7 @@ def test_table_shows_each_runs_verdict(tmp_path):
     healthy = {"nmi": 1.0, "nmi_ratio": 1.0, "mi": 0.68, "kl": 0.69, "num_used_latents": 2.0, "router_support": 2.0}
     # seed 0 wrote its verdict.json at the end of training; seed 1 ran before verdicts existed (recomputed)
     written = write_run(tmp_path, "s0", records=history(healthy), seed=0, run_name="x-seed0")
-    report_verdict(written, {**healthy, "loss": 1.0}, {**BASE_CONFIG, "seed": 0}, step=300, source="train", log=None)
+    report_verdict(written, {**healthy, "loss": 1.0}, {**BASE_CONFIG, "seed": 0}, step=300, source="train", log_lines=False)
     older = write_run(tmp_path, "s1", records=history(collapsed), seed=1, run_name="x-seed1")
     fresh = write_run(tmp_path, "fresh", records=[{"step": 1, "split": "train", "loss": 5.0}], run_name="fresh", kl_weight=2.0)
     assert load_run(written).verdict == "in use (2.0 of 2); gold: aligned"

@@ -36,13 +36,13 @@ def test_the_default_directory_is_per_environment_and_set_for_torch(tmp_path):
     assert extensions_dir({"TORCH_EXTENSIONS_DIR": str(tmp_path / "mine")}) == (tmp_path / "mine", True)
 
 
-def test_a_stale_lock_in_zcvaes_directory_is_removed_with_one_line(tmp_path):
-    lines = []
+def test_a_stale_lock_in_zcvaes_directory_is_removed_with_one_line(tmp_path, logged):
+    lines = logged
     own, _ = extensions_dir({"XDG_CACHE_HOME": str(tmp_path / "cache")})
     lock = _plant(own)
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     start = time.monotonic()
-    check_build_locks(environ=env, log=lines.append)
+    check_build_locks(environ=env)
     assert time.monotonic() - start < 5
     assert not lock.exists() and (lock.parent / "build.ninja").exists()  # only the lock goes
     assert len(lines) == 1 and str(lock) in lines[0] and "stale" in lines[0]
@@ -66,7 +66,7 @@ def test_a_young_lock_is_waited_on_until_it_is_old_enough_to_judge(tmp_path):
         waits.append(s)
         now[0] += s
 
-    check_build_locks(environ={"XDG_CACHE_HOME": str(tmp_path)}, clock=lambda: now[0], sleep=sleep, stale_after_s=10, log=lambda _: None)
+    check_build_locks(environ={"XDG_CACHE_HOME": str(tmp_path)}, clock=lambda: now[0], sleep=sleep, stale_after_s=10)
     assert not lock.exists() and 9 <= sum(waits) <= 12  # bounded: judged once it is stale_after_s old
 
 
@@ -80,7 +80,7 @@ def test_a_lock_with_a_live_builder_is_left_to_torch(tmp_path):
         while builder.pid not in (local_builders(lock.parent) or []) and time.time() < deadline:
             time.sleep(0.1)
         assert builder.pid in local_builders(lock.parent)
-        check_build_locks(environ={"XDG_CACHE_HOME": str(tmp_path)}, log=lambda _: None)
+        check_build_locks(environ={"XDG_CACHE_HOME": str(tmp_path)})
         assert lock.exists()
     finally:
         builder.kill()

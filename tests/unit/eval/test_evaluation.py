@@ -386,7 +386,7 @@ def _engine_and_reference(cfg, model, val):
     groups = model.param_groups(lora_lr=1e-3, latent_lr=1e-2, weight_decay=0.0)
     engine = build_engine(EngineConfig(), model=model, param_groups=groups, learning_rate=1e-3)
     reference = ReferenceProvider.build(cfg, engine=engine, model=model, backbone=cfg.model.backbone, train=val, val=val,
-                                        passes=1.0, log=lambda *a: None)
+                                        passes=1.0)
     return engine, reference
 
 
@@ -572,7 +572,7 @@ def test_evaluate_run_reproduces_the_trainers_final_evaluation(setup, tmp_path, 
     cfg = TrainConfig.from_flat(task="copy", backbone=str(s.backbone), output_dir=str(run_dir), num_train_examples=16, num_val_examples=5,
                       max_steps=2, micro_batch_size=4, num_eval_decode_examples=3, max_new_tokens=4, progress_bar=False,
                       reference_policy="online", log_every=1, num_latents=2)
-    final = train(cfg, log=lambda *a: None)
+    final = train(cfg)
     assert (run_dir / "eval_step2.json").is_file() and (run_dir / "latents.png").is_file()
 
     assert main(["evaluate", str(run_dir)]) == 0
@@ -660,7 +660,7 @@ def test_the_reference_fingerprint_carries_the_runs_precision_and_seed(setup):
     for seed in (0, 1):
         cfg = s.cfg.replace(seed=seed)
         digests[seed] = ReferenceProvider.build(cfg, engine=s.engine, model=s.model, backbone=cfg.model.backbone, train=s.val,
-                                                val=s.val, passes=1.0, log=lambda *a: None).fingerprints["validation"]
+                                                val=s.val, passes=1.0).fingerprints["validation"]
     want = reference_fingerprint(backbone=fingerprint_backbone(s.backbone), tokens=s.model.tokens, vocab=s.model.tokenizer,
                                  examples=s.val, extra={"precision": "fp32", "seed": 0}).digest
     assert digests[0] == want and digests[1] != digests[0]

@@ -269,10 +269,9 @@ def test_gaussian_latent_is_judged_by_active_units():
 # ---------------------------------------------------------------- verdict.json
 
 
-def test_report_verdict_writes_json_and_logs_every_line(tmp_path):
-    logged = []
+def test_report_verdict_writes_json_and_logs_every_line(tmp_path, logged):
     metrics = {**_merged(), "some_nan": float("nan"), "kl": None}
-    verdict = report_verdict(tmp_path, metrics, _config(num_latents=3), step=300, source="train", log=logged.append)
+    verdict = report_verdict(tmp_path, metrics, _config(num_latents=3), step=300, source="train")
     assert logged == verdict["lines"] and logged[0].startswith("[verdict] in use")
     text = (tmp_path / VERDICT).read_text()
     assert VERDICT == "verdict.json" and "NaN" not in text

@@ -84,7 +84,7 @@ def test_the_loop_asks_the_objective_in_step_order_and_routes_what_it_returns():
                             save_every=0, max_grad_norm=None, progress_bar=False)
     final = run_loop(engine=engine, objective=objective, settings=settings, num_examples=8, peak_lrs=[0.1], group_names=["all"],
                      lr_factor=lambda step: 1.0, start_step=0, checkpoints=sink, checkpoint_state={}, evaluate=lambda step: {"eval": step},
-                     logger=sink, signals=StopSignals(), log=print)
+                     run_logger=sink, signals=StopSignals())
 
     assert final == {"eval": 2}
     assert [c[0] for c in objective.calls] == ["begin_step", "micro_loss", "micro_loss", "end_step"] * 2

@@ -20,9 +20,9 @@ class Clock:
         return self.now
 
 
-def test_progress_lines_come_at_once_then_at_most_every_interval_and_at_the_end():
-    clock, lines = Clock(), []
-    phases = SetupPhases(None, say=lines.append, clock=clock, progress_every_s=10, report_after_s=60)
+def test_progress_lines_come_at_once_then_at_most_every_interval_and_at_the_end(logged):
+    clock, lines = Clock(), logged
+    phases = SetupPhases(None, clock=clock, progress_every_s=10, report_after_s=60)
     with phases.phase("the c_base pass"):
         for done in range(1, 31):
             clock.now += 1.0
@@ -31,9 +31,9 @@ def test_progress_lines_come_at_once_then_at_most_every_interval_and_at_the_end(
                      "[setup] the c_base pass: 21/30 examples, 1.0/s", "[setup] the c_base pass: 30/30 examples, 1.0/s"]
 
 
-def test_a_phase_over_the_bound_says_how_long_it_took_and_a_short_one_says_nothing():
-    clock, lines = Clock(), []
-    phases = SetupPhases(None, say=lines.append, clock=clock, report_after_s=60)
+def test_a_phase_over_the_bound_says_how_long_it_took_and_a_short_one_says_nothing(logged):
+    clock, lines = Clock(), logged
+    phases = SetupPhases(None, clock=clock, report_after_s=60)
     with phases.phase("loading the backbone"):
         clock.now += 59
     with phases.phase("building the engine"):
@@ -45,9 +45,8 @@ def test_a_phase_over_the_bound_says_how_long_it_took_and_a_short_one_says_nothi
 
 
 def test_a_real_signal_stops_at_the_next_tick_naming_the_phase_and_exit_75():
-    lines = []
     with StopSignals() as signals:
-        phases = SetupPhases(signals, say=lines.append)
+        phases = SetupPhases(signals)
         with pytest.raises(PhaseStopped) as info:
             with phases.phase("the reference store (train)"):
                 phases.tick(1, 10)
@@ -67,7 +66,7 @@ def test_the_flag_of_another_rank_stops_this_one():
         calls.append(float(t[0]))
         return torch.ones_like(t)  # some rank got a signal
 
-    phases = SetupPhases(StopSignals(), say=lambda line: None, reduce_max=reduce_max)
+    phases = SetupPhases(StopSignals(), reduce_max=reduce_max)
     phases.before_step, phases.hint = 7, "the last checkpoint is kept"
     with pytest.raises(PhaseStopped, match="stopped by a signal on another rank during setup, before step 7: the last checkpoint is kept"):
         phases.tick(1, 2)

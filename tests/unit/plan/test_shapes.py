@@ -39,8 +39,7 @@ def test_random_checkpoint_loads_and_is_marked(tmp_path):
     from zcvae.model.cvae import ZCVAE
     from zcvae.reference.health import check_markers
 
-    out = build_random_checkpoint("SmolLM2-135M", tmp_path / "rnd", overrides={"num_hidden_layers": 2}, max_shard_bytes=30 * 2**20,
-                                  log=lambda line: None)
+    out = build_random_checkpoint("SmolLM2-135M", tmp_path / "rnd", overrides={"num_hidden_layers": 2}, max_shard_bytes=30 * 2**20)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == 2  # sharded at 30 MiB
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
@@ -54,5 +53,5 @@ def test_random_checkpoint_loads_and_is_marked(tmp_path):
     # the training path refuses it as any untrained backbone, unless --allow-fresh-markers
     cfg = TrainConfig.from_flat(backbone=str(out), output_dir=str(tmp_path / "run"))
     with pytest.raises(ValueError, match="lacks the template markers"):
-        check_markers(cfg, str(out), log=lambda line: None)
-    assert check_markers(cfg.replace(allow_fresh_markers=True), str(out), log=lambda line: None).fresh_markers
+        check_markers(cfg, str(out))
+    assert check_markers(cfg.replace(allow_fresh_markers=True), str(out)).fresh_markers

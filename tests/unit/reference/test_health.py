@@ -49,7 +49,7 @@ def test_missing_markers_lists_what_a_vocabulary_lacks_in_marker_order():
 def test_check_fires_on_a_raw_backbone_with_the_pretrain_command(raw_tiny_backbone):
     raw = str(raw_tiny_backbone())
     with pytest.raises(ValueError) as err:
-        check_markers(_cfg(backbone=raw, task="sort"), raw, log=lambda line: None)
+        check_markers(_cfg(backbone=raw, task="sort"), raw)
     message = str(err.value)
     assert "\n" not in message
     assert " ".join(MARKERS) in message
@@ -59,21 +59,21 @@ def test_check_fires_on_a_raw_backbone_with_the_pretrain_command(raw_tiny_backbo
     # user data: the command names the same JSONL files
     cfg = _cfg(backbone=raw, train_data="d/train.jsonl", val_data="d/val.jsonl")
     with pytest.raises(ValueError, match=r"--train-data d/train.jsonl --val-data d/val.jsonl --output-dir"):
-        check_markers(cfg, raw, log=lambda line: None)
+        check_markers(cfg, raw)
 
 
-def test_check_is_quiet_on_a_backbone_that_knows_the_markers(tiny_backbone):
+def test_check_is_quiet_on_a_backbone_that_knows_the_markers(tiny_backbone, logged):
     entangled = str(tiny_backbone())
-    lines: list[str] = []
-    health = check_markers(_cfg(backbone=entangled, task="copy"), entangled, log=lines.append)
+    lines = logged
+    health = check_markers(_cfg(backbone=entangled, task="copy"), entangled)
     assert health.fresh_markers == [] and health.warnings == [] and lines == []
     assert health.to_dict()["allow_fresh_markers"] is False
 
 
-def test_proceed_flag_records_the_fresh_markers_and_says_so(raw_tiny_backbone):
+def test_proceed_flag_records_the_fresh_markers_and_says_so(raw_tiny_backbone, logged):
     raw = str(raw_tiny_backbone())
-    lines: list[str] = []
-    health = check_markers(_cfg(backbone=raw, allow_fresh_markers=True), raw, log=lines.append)
+    lines = logged
+    health = check_markers(_cfg(backbone=raw, allow_fresh_markers=True), raw)
     assert health.fresh_markers == list(MARKERS) and health.allow_fresh_markers
     assert len(lines) == 1 and "--allow-fresh-markers" in lines[0] and health.warnings == lines
     assert health.entangled_command == entangled_command(_cfg(backbone=raw))[0]
@@ -101,7 +101,7 @@ def _health():
 
 
 @pytest.mark.parametrize("mode", ["mean", "sum"])
-def test_c_base_is_compared_with_the_family_floor_in_its_own_units(mode):
+def test_c_base_is_compared_with_the_family_floor_in_its_own_units(mode, logged):
     from zcvae.data import get_task
 
     task = get_task("copy")
@@ -113,16 +113,16 @@ def test_c_base_is_compared_with_the_family_floor_in_its_own_units(mode):
         threshold = ((h + FLOOR_MARGIN_PER_SEQUENCE) / 4 + (h + FLOOR_MARGIN_PER_SEQUENCE) / 8) / 2
     else:
         floor, threshold = h, h + FLOOR_MARGIN_PER_SEQUENCE
-    lines: list[str] = []
+    lines = logged
     below = _health()
     assert below.check_c_base(CBase(**{**C_BASE, "mode": mode, "value": threshold * 0.99}), val=encoded, examples=raw,
-                              task=task, log=lines.append) is None
+                              task=task) is None
     assert below.floor == pytest.approx(floor) and below.c_base_threshold == pytest.approx(threshold)
     assert below.floor_per_sequence == pytest.approx(h) and below.warnings == [] and lines == []
 
     above = _health()
     line = above.check_c_base(CBase(**{**C_BASE, "mode": mode, "value": threshold * 1.01}), val=encoded, examples=raw,
-                              task=task, log=lines.append)
+                              task=task)
     assert line is not None and lines == [line] and above.warnings == [line]
     assert f"c_base[{mode}]" in line and "floor" in line and "zcvae pretrain" in line
     record = json.loads(json.dumps(above.to_dict()))
@@ -136,17 +136,17 @@ def test_c_base_without_a_floor_uses_the_per_token_threshold(mode):
     threshold = HIGH_C_BASE_PER_TOKEN if mode == "mean" else HIGH_C_BASE_PER_TOKEN * (4 + 8) / 2
     quiet, loud = _health(), _health()
     assert quiet.check_c_base(CBase(**{**C_BASE, "mode": mode, "value": threshold - 1e-3}), val=encoded, examples=raw,
-                              task=None, log=lambda line: None) is None
+                              task=None) is None
     assert quiet.floor is None and quiet.c_base_threshold == pytest.approx(threshold)
     assert loud.check_c_base(CBase(**{**C_BASE, "mode": mode, "value": threshold + 1e-3}), val=encoded, examples=raw,
-                             task=None, log=lambda line: None) is not None
+                             task=None) is not None
 
 
 def test_a_user_c_base_is_recorded_not_checked():
     encoded, raw = _val([3])
     health = _health()
     assert health.check_c_base(CBase(**{**C_BASE, "value": 50.0, "source": "user"}), val=encoded, examples=raw,
-                               task=None, log=lambda line: None) is None
+                               task=None) is None
     assert health.c_base == 50.0 and health.c_base_threshold is None and "not checked" in health.c_base_threshold_rule
 
 
@@ -157,13 +157,13 @@ def _planted_b():
     return b_BN, torch.ones_like(b_BN, dtype=torch.bool), ["deg", "near", "ok"]
 
 
-def test_degenerate_weights_name_the_examples_and_say_what_to_do():
+def test_degenerate_weights_name_the_examples_and_say_what_to_do(logged):
     found = DegenerateWeights(splits="train and validation")
     found.add(*_planted_b())
     assert (found.num_examples, found.degenerate, found.nearly_degenerate) == (3, ["deg"], ["near"])
-    lines: list[str] = []
+    lines = logged
     health = _health()
-    line = health.check_weights(found, log=lines.append)
+    line = health.check_weights(found)
     assert line is not None and lines == [line] and health.warnings == [line] and "\n" not in line
     assert line.startswith("[health] warning: 2 of 3 examples (train and validation)")
     assert "deg, near" in line and "ok" not in line.split("e.g.")[1].split(":")[0]
@@ -174,11 +174,11 @@ def test_degenerate_weights_name_the_examples_and_say_what_to_do():
                       "num_degenerate": 1, "num_nearly_degenerate": 1, "degenerate": ["deg"], "nearly_degenerate": ["near"]}
 
 
-def test_degenerate_weights_are_quiet_on_normal_rows_and_merge_the_ranks():
+def test_degenerate_weights_are_quiet_on_normal_rows_and_merge_the_ranks(logged):
     b_BN, mask_BN, ids = _planted_b()
     quiet = DegenerateWeights(splits="validation")
     quiet.add(b_BN[2:], mask_BN[2:], ids[2:])
-    assert quiet.note() is None and _health().check_weights(quiet, log=pytest.fail) is None
+    assert quiet.note() is None and _health().check_weights(quiet) is None and logged == []
     ranks = [DegenerateWeights(splits="validation") for _ in range(2)]
     for rank, part in enumerate(ranks):  # rank r holds rows r, r + 2, ...
         part.add(b_BN[rank::2], mask_BN[rank::2], ids[rank::2])
@@ -190,9 +190,9 @@ def test_degenerate_weights_are_quiet_on_normal_rows_and_merge_the_ranks():
     assert shown == ", ".join(f"d{i}" for i in range(DEGENERATE_IDS_SHOWN)) + " ..."
 
 
-def test_no_b_at_setup_is_recorded_as_not_checked():
+def test_no_b_at_setup_is_recorded_as_not_checked(logged):
     health = _health()
-    assert health.check_weights(None, log=pytest.fail) is None
+    assert health.check_weights(None) is None and logged == []
     assert health.degenerate_weights.startswith("not checked") and health.warnings == []
 
 

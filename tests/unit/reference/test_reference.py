@@ -413,7 +413,7 @@ def test_provider_online_and_precomputed_agree(tmp_path, llama):
                                      reconstruction_loss_token_aggregation_mode=mode, zfree_reference_scale=scale, precision="fp32", seed=0)
 
     def build(c, passes=2.0):
-        return ReferenceProvider.build(c, engine=engine, model=model, backbone=tmp_path / "backbone", train=train, val=val, passes=passes, log=lambda *_: None)
+        return ReferenceProvider.build(c, engine=engine, model=model, backbone=tmp_path / "backbone", train=train, val=val, passes=passes)
 
     pre, online = build(cfg("auto")), build(cfg("auto"), passes=1.0)
     assert (pre.policy, online.policy) == ("precomputed", "online")
@@ -466,7 +466,7 @@ def test_provider_finds_the_degenerate_weights_its_setup_passes_see(tmp_path, po
     def build(**kw):
         cfg = TrainConfig.from_flat(reference_policy=policy, reference_cache_dir=str(tmp_path / "cache"), micro_batch_size=2, **kw)
         return ReferenceProvider.build(cfg, engine=engine, model=model, backbone=tmp_path / "backbone", train=train, val=val,
-                                       passes=1.0, log=lambda *_: None)
+                                       passes=1.0)
 
     found = build().degenerate_weights
     if policy == "precomputed":  # the store holds b of both splits

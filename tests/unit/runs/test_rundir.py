@@ -74,12 +74,12 @@ def test_final_eval_metrics_is_the_last_eval_record_numbers_only(tmp_path):
     assert final_eval_metrics(tmp_path) == (8, {"nmi": 0.3, "exact_match": 1})
 
 
-def test_prepare_run_dir_refuses_what_it_may_not_replace_and_moves_an_old_run_aside(tmp_path):
+def test_prepare_run_dir_refuses_what_it_may_not_replace_and_moves_an_old_run_aside(tmp_path, logged):
     from zcvae.runs.lock import LOCK_FILE
     from zcvae.runs.rundir import prepare_run_dir
 
-    run_dir, lines = tmp_path / "run", []
-    prepare_run_dir(run_dir, resume=False, overwrite=False, is_main=True, log=lines.append)
+    run_dir, lines = tmp_path / "run", logged
+    prepare_run_dir(run_dir, resume=False, overwrite=False, is_main=True)
     assert run_dir.is_dir() and not lines  # a new directory: made, nothing said
     (run_dir / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="is not empty .* --resume auto .* --overwrite"):
@@ -93,7 +93,7 @@ def test_prepare_run_dir_refuses_what_it_may_not_replace_and_moves_an_old_run_as
     prepare_run_dir(run_dir, resume=True, overwrite=False, is_main=True)  # a resume keeps everything
     assert (run_dir / RUN_CONFIG).exists()
     (run_dir / LOCK_FILE).write_text("")  # the run's own lock stays where it is
-    prepare_run_dir(run_dir, resume=False, overwrite=True, is_main=True, log=lines.append)
+    prepare_run_dir(run_dir, resume=False, overwrite=True, is_main=True)
     assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE] and not list(tmp_path.glob("run.deleting-*"))
     assert lines and lines[0].startswith("[run] --overwrite: deleting the earlier run")
 

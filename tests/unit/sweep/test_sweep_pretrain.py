@@ -159,7 +159,7 @@ def test_stage_status_reuses_only_a_stage_built_with_the_same_settings(tmp_path,
              "max_steps": 2, "batch_size": 4, "num_train_examples": 32, "num_val_examples": 8, "num_decode_examples": 0,
              "warmup_steps": 1, "device": "cpu"}
     assert stage_status(stage) == "to run"
-    pretrain(PretrainConfig.from_dict(stage), log=lambda *_: None)
+    pretrain(PretrainConfig.from_dict(stage))
     assert stage_status(stage) == "finished"
     with pytest.raises(ValueError, match=r"built with other settings \(max_steps 2 there, 3 in the family\)"):
         stage_status({**stage, "max_steps": 3})

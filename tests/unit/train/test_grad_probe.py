@@ -162,7 +162,7 @@ def test_a_probed_run_trains_bit_for_bit_like_an_unprobed_one(tiny_backbone, tmp
     runs = {}
     for probe_every in (0, 1):
         run_dir = tmp_path / f"probe{probe_every}"
-        train(TrainConfig.from_flat(**common, output_dir=str(run_dir), grad_probe_every=probe_every), log=lambda *a: None)
+        train(TrainConfig.from_flat(**common, output_dir=str(run_dir), grad_probe_every=probe_every))
         runs[probe_every] = _records(run_dir)
     off = [r for r in runs[0] if r["split"] != "grad_probe"]
     on = [r for r in runs[1] if r["split"] != "grad_probe"]

@@ -75,17 +75,17 @@ def test_the_read_measure_tells_a_decoder_that_ignores_z_from_one_that_reads_it(
 
 
 @pytest.mark.parametrize(("reads_z", "ended_at", "reason"), [(True, 6, "read"), (False, 16, "cap")])
-def test_the_delay_ends_at_the_read_step_or_at_the_cap(tiny_backbone, reads_z, ended_at, reason):
+def test_the_delay_ends_at_the_read_step_or_at_the_cap(tiny_backbone, reads_z, ended_at, reason, logged):
     _, model, engine, probe = _decoder(tiny_backbone(), reads_z=reads_z)
     cfg = TrainConfig.from_flat(max_steps=20, kl_delay_mode="read", kl_delay_fraction=0.3, kl_delay_max_fraction=0.8,
                                 kl_delay_check_every=3, kl_ramp_fraction=0.2)
-    delay, lines = KLDelay.from_config(cfg), []
+    delay, lines = KLDelay.from_config(cfg), logged
     assert (delay.min_step, delay.cap_step) == (6, 16)
     checked = []
     for done in range(1, 21):
         if delay.checks_after(done):
             checked.append(done)
-            check_delay(delay, done, engine=engine, model=model, probe=probe, batch_size=4, num_z_slots=1, log=lines.append)
+            check_delay(delay, done, engine=engine, model=model, probe=probe, batch_size=4, num_z_slots=1)
     # from the minimum, every 3 steps and at the cap; never again once ended
     assert checked == ([6] if reads_z else [6, 9, 12, 15, 16])
     assert (delay.ended_at, delay.reason) == (ended_at, reason)

@@ -34,13 +34,14 @@ def _records(run_dir, split="train"):
 
 
 def _train(backbone, run_dir, **kw):
+    from zcvae.console import capture_lines
     from zcvae.train.trainer import train
 
-    lines: list[str] = []
     cfg = TrainConfig.from_flat(task="copy", backbone=str(backbone), output_dir=str(run_dir), num_train_examples=8, num_val_examples=5,
                                 max_steps=4, micro_batch_size=4, num_eval_decode_examples=2, max_new_tokens=4, progress_bar=False,
                                 log_every=1, save_every=1, keep_last_checkpoints=10, **kw)
-    train(cfg, log=lines.append)
+    with capture_lines() as lines:
+        train(cfg)
     return lines
 
 
