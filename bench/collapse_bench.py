@@ -19,7 +19,9 @@ into ``$ZCVAE_CACHE``, not timed) unless ``--backbone`` is given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import statistics
 import sys
@@ -42,6 +44,18 @@ def step_times(metrics_path: Path, batch_size: int) -> list[float]:
         if record.get("split") == "train" and record.get("tokens_per_second"):
             out.append(batch_size * record["num_tokens"] / record["tokens_per_second"])
     return out
+
+
+@contextlib.contextmanager
+def quiet_run():
+    """The trainer's lines off (warnings stay): the bench prints its own table."""
+    log = logging.getLogger("zcvae")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def main(argv=None) -> int:
@@ -68,7 +82,8 @@ def main(argv=None) -> int:
         cfg = TrainConfig.from_dict({**values, "backbone": backbone})
         load = os.getloadavg()
         started = time.perf_counter()
-        final = train(cfg, log=lambda *a, **k: None)
+        with quiet_run():
+            final = train(cfg)
         wall = time.perf_counter() - started
         meta = json.loads((Path(tmp) / "run_config.json").read_text())
         times = step_times(Path(tmp) / "metrics.jsonl", args.batch_size)

