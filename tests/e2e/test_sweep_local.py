@@ -49,7 +49,8 @@ def _family(path, backbone):
     return path
 
 
-def test_local_sweep_runs_resumes_and_prints_seed_groups(cli, tiny_backbone, tmp_path):
+def test_local_sweep_runs_resumes_and_prints_seed_groups(cli, tiny_backbone, tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a user's OMP_NUM_THREADS wins over the sweep's one thread per run
     family = _family(tmp_path / "fam.yaml", tiny_backbone)
     out = tmp_path / "sweep"
     proc = cli("sweep", family, "--local", "--output-dir", out, "--jobs", "2", cwd=tmp_path)

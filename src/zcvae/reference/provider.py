@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from zcvae.data.encoding import Batch, EncodedExample
-from zcvae.reference.store import _all_gather  # the store's exchange of per-rank parts
-from zcvae.reference.store import POLICIES, ReferenceStore, default_policy, fingerprint_backbone, iter_reference_batches, load_or_build_reference_store, reference_fingerprint, reference_output
+from zcvae.reference.store import POLICIES, ReferenceStore, default_policy, gather_parts, fingerprint_backbone, iter_reference_batches, load_or_build_reference_store, reference_fingerprint, reference_output
 from zcvae.reference.c_base import CBase, c_base_from_store, c_base_from_sum_count, c_base_sum_count, resolve_c_base
 from zcvae.reference.health import DegenerateWeights
 
@@ -137,7 +136,7 @@ class ReferenceProvider:
                             total, count = total + s, count + c
                             seen.add(ref_nll_BN, mask_BN, batch.ids)
                 total, count = engine.all_reduce(torch.stack([total, count])).tolist()
-                found.append(DegenerateWeights.merge([seen] if gather is None else _all_gather(seen, info.world_size, gather)))
+                found.append(DegenerateWeights.merge([seen] if gather is None else gather_parts(seen, info.world_size, gather)))
                 return c_base_from_sum_count(total, count, mode=mode, fingerprint=fps["validation"].digest)
 
         c_base = resolve_c_base(

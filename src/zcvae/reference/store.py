@@ -306,7 +306,8 @@ def reference_output(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
     raise TypeError(f"the reference forward returned a {type(out).__name__}; expected (ref_nll_BN, mask_BN)")
 
 
-def _all_gather(obj: Any, world_size: int, all_gather_object: Callable | None) -> list[Any]:
+def gather_parts(obj: Any, world_size: int, all_gather_object: Callable | None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``all_gather_object``: torch.distributed's, or a test's stand-in)."""
     gather = all_gather_object or torch.distributed.all_gather_object
     parts: list[Any] = [None] * world_size
     gather(parts, obj)
@@ -363,7 +364,7 @@ def compute_reference_store(
     if world_size == 1:
         return local
     merged: dict[str, torch.Tensor] = {}
-    for r, part in enumerate(_all_gather(local, world_size, all_gather_object)):
+    for r, part in enumerate(gather_parts(local, world_size, all_gather_object)):
         for ex_id, b_n in part.items():
             if ex_id in merged:
                 raise ValueError(f"example id {ex_id!r} was computed on two ranks (rank {r} and another)")
@@ -560,7 +561,7 @@ def load_or_build_reference_store(
             store = None
     found = store is not None
     if world_size > 1:
-        found = all(_all_gather(found, world_size, all_gather_object))
+        found = all(gather_parts(found, world_size, all_gather_object))
     if found:
         return store
     values = compute_reference_store(
