@@ -62,7 +62,7 @@ def ragged_batch(model, lengths: Iterable[tuple[int, int]], *, generator: torch.
 
 def perturbed_model(backbone: str | Path, config, *, lengths: Iterable[tuple[int, int]], seed: int = 0):
     """-> (ZCVAE, batch): the model of ``config`` on ``backbone`` (init seed 0), its batch drawn with ``seed``,
-    LoRA B / new token rows / router moved with ``seed + 1``, then calibrated on the batch.
+    LoRA B / new token rows / router / z-conditioned norms moved with ``seed + 1``, then calibrated on the batch.
 
     The same arguments give the same model and batch in every process (the distributed workers rely on it).
     """
@@ -73,9 +73,10 @@ def perturbed_model(backbone: str | Path, config, *, lengths: Iterable[tuple[int
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.requires_grad and ("lora_B" in name or "trainable_tokens_delta" in name or "router" in name):
-                # heads read standardised states of norm ~sqrt(H): keep the logits, mu and logvar O(1)
-                p.add_((0.1 if "router" in name else 0.3) * torch.randn(p.shape, generator=g))
+            if p.requires_grad and ("lora_B" in name or "trainable_tokens_delta" in name or "router" in name or "z_norm" in name):
+                # heads read standardised states of norm ~sqrt(H): keep the logits, mu and logvar O(1); the
+                # z-conditioned norms' scales and shifts stay small next to the norms' own unit weights
+                p.add_((0.1 if "router" in name or "z_norm" in name else 0.3) * torch.randn(p.shape, generator=g))
     model.calibrate(batch)  # after the change, so the standardised states are O(1)
     return model, batch
 

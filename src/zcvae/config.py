@@ -66,6 +66,7 @@ class ModelSection(StrictDataclass):
     latent_dim: int = _f(16, "Dimension of the Gaussian latent.")
     num_z_slots: int = _f(1, "M tokens filling the <z> section: discrete, each latent value owns M learned rows (<z_k_1> .. <z_k_M>); Gaussian, M soft-prompt embeddings.")
     num_latent_samples: int = _f(1, "S, reparameterised posterior samples per example (Gaussian).")
+    z_conditioned_norm: bool = _f(False, "Condition every decoder norm on z: norm(h) * (1 + scale_z) + shift_z on the positions from <z> on, learned in the latent group, zero at the start. The notes' other remedy for the single z token beside --num-z-slots: z reaches every position of every layer, not through attention alone (docs/objective.md#dilution). Not with --gradient-checkpointing.")
     learned_prior: bool = _f(True, "Gaussian: learned prior p(z|x) instead of a standard normal.")
     lora_r: int = _f(8, "LoRA rank.")
     lora_alpha: int = _f(16, "LoRA alpha.")
@@ -334,6 +335,7 @@ class TrainConfig(StrictDataclass):
             latent_dim=m.latent_dim,
             num_z_slots=m.num_z_slots,
             num_latent_samples=m.num_latent_samples,
+            z_conditioned_norm=m.z_conditioned_norm,
             learned_prior=m.learned_prior,
             lora_r=m.lora_r,
             lora_alpha=m.lora_alpha,
@@ -567,6 +569,10 @@ def validate(config: TrainConfig) -> None:
         # K would be ignored, yet the run name would carry it (K-4): say so instead
         raise ValueError(f"num_latents (K = {cfg.num_latents}) applies to the discrete latent only; with latent_type continuous "
                          f"set latent_dim, num_z_slots or num_latent_samples instead, and leave num_latents out")
+    if cfg.z_conditioned_norm and cfg.gradient_checkpointing:
+        raise ValueError("z_conditioned_norm does not work with gradient_checkpointing: a checkpointed layer is re-run in the "
+                         "backward, outside the branch pass that says which z each row has; turn one of them off "
+                         "(branch_chunk_size bounds the branches' memory instead)")
     if cfg.train_data is not None and cfg.task is not None:
         raise ValueError("give either task or train_data, not both")
     if (cfg.train_data is None) != (cfg.val_data is None):

@@ -184,7 +184,7 @@ def test_a_flat_run_config_from_before_the_sections_still_loads(tmp_path):
     ADDED_SINCE = {"router_support_schedule": "constant", "reconstruction_weight_scale": "none", "reconstruction_weight_factor": None,
                    "base_dtype": None, "kl_delay_mode": "fixed", "kl_delay_max_fraction": 0.8, "kl_delay_read_share": 0.5,
                    "kl_delay_check_every": 10, "follow_cores": False, "report_to": "tensorboard,jsonl",
-                   "reference_refresh_every": 0}
+                   "reference_refresh_every": 0, "z_conditioned_norm": False}
     assert old.to_dict() == {**ADDED_SINCE, **record["config"]}
     # a run directory of either layout reads back as the same flat config
     (tmp_path / "old").mkdir()

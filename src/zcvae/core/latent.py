@@ -26,6 +26,7 @@ __all__ = [
     "DiscreteRouter",
     "GaussianRouter",
     "SoftPromptProjection",
+    "ZConditionedNorm",
     "Standardize",
     "categorical_kl",
     "entropy",
@@ -314,3 +315,40 @@ class SoftPromptProjection(nn.Module):
     def forward(self, z_RD: torch.Tensor) -> torch.Tensor:
         out = self.proj(z_RD.to(self.proj.weight.dtype))  # (R, M*H)
         return out.view(z_RD.shape[0], self.num_slots, self.hidden_size)  # (R, M, H)
+
+
+class ZConditionedNorm(nn.Module):
+    """z -> a scale and a shift for each of the decoder's ``num_norms`` norms: (R, num_norms, 2, H).
+
+    The model applies them to a norm's output on the z-conditioned positions, ``norm(h) * (1 + scale) +
+    shift`` (``ZCVAE``, ``--z-conditioned-norm``): the notes' architectural remedy for the single z token,
+    whose effect on early y positions goes through attention alone and may stay too small for the
+    reconstruction to pull z into use (seed 002, "When it may not suffice"). Here z reaches every
+    position of every layer directly. Zero at initialisation, so the model starts as it would without
+    it, while the gradient on the table is not zero: ``d l_t / d scale_z = d l_t / d out * norm(h)``
+    at every conditioned position.
+
+    Discrete (``num_latents``): one learned row per latent value. Gaussian (``latent_dim``): a linear
+    map of z, without bias (a z-free shift is the LoRA's job).
+    """
+
+    def __init__(self, num_norms: int, hidden_size: int, *, num_latents: int | None = None, latent_dim: int | None = None) -> None:
+        super().__init__()
+        if (num_latents is None) == (latent_dim is None):
+            raise ValueError("ZConditionedNorm takes num_latents (discrete) or latent_dim (Gaussian)")
+        self.num_norms, self.hidden_size = num_norms, hidden_size
+        width = num_norms * 2 * hidden_size
+        if num_latents is not None:
+            self.table = nn.Embedding(num_latents, width)
+            nn.init.zeros_(self.table.weight)
+        else:
+            self.linear = nn.Linear(latent_dim, width, bias=False)
+            nn.init.zeros_(self.linear.weight)
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        """``latent``: latent indices (R,) long (discrete) or z (R, D) (Gaussian) -> (R, num_norms, 2, H)."""
+        if hasattr(self, "table"):
+            out = self.table(latent.to(self.table.weight.device))
+        else:
+            out = self.linear(latent.to(self.linear.weight.dtype))
+        return out.view(latent.shape[0], self.num_norms, 2, self.hidden_size)

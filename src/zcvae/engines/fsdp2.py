@@ -40,7 +40,7 @@ from zcvae.engines.base import AdamWSettings, EngineBase, EngineConfig, groups_f
 from zcvae.engines.base import save_client_state, trainable_named_parameters
 from zcvae.model import hf_compat
 
-__all__ = ["FSDP2Engine", "FSDP2Loading", "find_decoder_layers", "parameters_on_meta"]
+__all__ = ["FSDP2Engine", "FSDP2Loading", "parameters_on_meta"]
 
 
 @contextlib.contextmanager
@@ -105,25 +105,6 @@ class FSDP2Loading:
         return buf.cpu()
 
 
-def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one.
-
-    The classes named by any Hugging Face ``_no_split_modules`` inside ``model`` (e.g.
-    ``LlamaDecoderLayer``); failing that, the children of every ``nn.ModuleList`` called ``layers`` or
-    ``h``.
-    """
-    names = hf_compat.no_split_module_names(model)
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        layers = [
-            child
-            for name, m in model.named_modules()
-            if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h")
-            for child in m
-        ]
-    return layers
-
-
 class FSDP2Engine(EngineBase):
     def __init__(
         self,
@@ -139,7 +120,7 @@ class FSDP2Engine(EngineBase):
         if config.precision == "bf16" and info.world_size > 1 and torch.distributed.get_backend() == "gloo":
             raise ValueError("precision: bf16 collectives are not supported by gloo (CPU); use fp32 on CPU")
         named_groups = prepare_model(config, model, param_groups)
-        layers = list(decoder_layers) if decoder_layers is not None else find_decoder_layers(model)
+        layers = list(decoder_layers) if decoder_layers is not None else hf_compat.decoder_layers(model)
         if not layers:
             raise ValueError(
                 "decoder_layers: found no decoder layers to shard (no _no_split_modules class and no "

@@ -56,7 +56,7 @@ def latent_heads_state(model, *, added_ids: list[int]) -> dict[str, torch.Tensor
     if z_rows is not None and num_z:
         # the delta holds the z rows first, then any markers trained with allow_fresh_markers
         out["z_rows"] = z_rows.detach()[:num_z]
-    for prefix, module in (("router", model.router), ("projection", model.projection)):
+    for prefix, module in (("router", model.router), ("projection", model.projection), ("z_norm", model.z_norm)):
         if module is not None:
             out.update({f"{prefix}.{k}": v.detach() for k, v in module.state_dict().items()})
     ids = torch.tensor(added_ids, dtype=torch.long)
@@ -130,6 +130,10 @@ def export_run(
     record = read_run_record(run_dir)
     cfg = run_train_config(record, run_dir / RUN_CONFIG)
     ckpt = newest_checkpoint(run_dir, checkpoint)
+    if merge and cfg.model.z_conditioned_norm:
+        raise ValueError("--merge writes a plain Hugging Face checkpoint, which cannot hold the z-conditioned norms of this run "
+                         "(--z-conditioned-norm: a scale and shift per z, applied at run time); export without --merge and "
+                         "load it with zcvae.export.load")
     backbone = resolve_backbone(cfg, override=backbone, recorded=record.get("backbone"))
     _check_out_apart(out, {"run directory": run_dir, "checkpoint": ckpt, "backbone directory": Path(backbone)})
     _check_finite(ckpt)

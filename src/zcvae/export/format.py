@@ -7,8 +7,9 @@ so it is complete or absent; read back by ``zcvae.export.load``)::
                                                        (peft's trainable-token delta: K rows, never the
                                                        full embedding matrix)
     latent_heads.safetensors                           z rows, router/prior heads (+ their calibration
-                                                       buffers), soft-prompt projection, and the rows of
-                                                       every token zcvae added to the backbone's vocabulary
+                                                       buffers), soft-prompt projection, z-conditioned
+                                                       norms (``z_norm.*``, with --z-conditioned-norm), and
+                                                       the rows of every token zcvae added to the vocabulary
     tokenizer files                                    the backbone's tokenizer plus the template markers
                                                        and latent tokens
     run_config.json                                    the run's resolved configuration and c_base

@@ -222,7 +222,7 @@ def load_for_inference(
             raise ValueError(f"{str(path / ADAPTER_WEIGHTS)!r} does not fit the model: unexpected {result.unexpected_keys[:4]}, missing {missing[:4]}")
         heads = tensors[LATENT_HEADS]
         try:
-            for prefix, module in (("router", model.router), ("projection", model.projection)):
+            for prefix, module in (("router", model.router), ("projection", model.projection), ("z_norm", model.z_norm)):
                 if module is not None:
                     module.load_state_dict({k[len(prefix) + 1:]: v for k, v in heads.items() if k.startswith(prefix + ".")}, strict=True)
         except RuntimeError as err:

@@ -52,6 +52,11 @@ class ModelConfig(StrictDataclass):
     z-prefix, a remedy for dilution: docs/objective.md#dilution); Gaussian, M soft-prompt embeddings."""
     num_latent_samples: int = 1
     """S reparameterised samples per example (Gaussian)."""
+    z_conditioned_norm: bool = False
+    """Condition every decoder norm on z (``core.latent.ZConditionedNorm``): ``norm(h) * (1 + scale_z) +
+    shift_z`` on the positions from ``<z>`` on, zero at initialisation. The notes' other remedy for the
+    single z token, beside ``num_z_slots``. Not with ``gradient_checkpointing``: a layer's recompute runs
+    in the backward, outside the pass that says which z each row has."""
     learned_prior: bool = True
     """Gaussian: learned p(z|x) from the </x> state; False = N(0, I)."""
     lora_r: int = 8
@@ -124,5 +129,11 @@ class ModelConfig(StrictDataclass):
             raise ValueError(f"posterior_pooling must be one of {POSTERIOR_POOLING}, got {self.posterior_pooling!r}")
         if not isinstance(self.share_x_prefix, bool):
             raise ValueError(f"share_x_prefix must be a bool, got {self.share_x_prefix!r}")
+        if not isinstance(self.z_conditioned_norm, bool):
+            raise ValueError(f"z_conditioned_norm must be a bool, got {self.z_conditioned_norm!r}")
+        if self.z_conditioned_norm and self.gradient_checkpointing:
+            raise ValueError("z_conditioned_norm does not work with gradient_checkpointing: a checkpointed layer is re-run in "
+                             "the backward, outside the branch pass that says which z each row has; turn one of them off "
+                             "(branch_chunk_size bounds the branches' memory instead)")
         if not isinstance(self.train_fresh_markers, bool):
             raise ValueError(f"train_fresh_markers must be a bool, got {self.train_fresh_markers!r}")

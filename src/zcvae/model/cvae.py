@@ -38,15 +38,17 @@ dimension, M z slots, R rows of a branch forward (B*K) or of a decode call, W su
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal, overload
 
 import torch
 from torch import nn
 
-from zcvae.core.latent import categorical_kl, entropy, gaussian_entropy, gaussian_kl, inter_latent_divergence
+from zcvae.core.latent import ZConditionedNorm, categorical_kl, entropy, gaussian_entropy, gaussian_kl, inter_latent_divergence
 from zcvae.core.losses import gather_span, supervised_token_nll, token_nll
 from zcvae.model import branches, build, hf_compat, prefix as shared, sharded
 from zcvae.model.config import POSTERIOR_POOLING, ModelConfig
@@ -142,6 +144,19 @@ class ZCVAE(nn.Module):
         self._warned: set[str] = set()  # fallback warnings already given (each once per model)
         self._pending: sharded.PendingWeights | None = None  # a sharded build's weights, until materialize_weights
         self._built_sharded = False
+        # --z-conditioned-norm: a scale and shift of every decoder norm per z, applied by hooks during the
+        # passes that say which z each row has (the branches and decoding); None elsewhere (prefix, router,
+        # reference: z-free)
+        self.z_norm: ZConditionedNorm | None = None
+        self._z_condition: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        if config.z_conditioned_norm:
+            norms = hf_compat.decoder_norms(peft_model.get_base_model())
+            hidden = sharded.full_shape(hf_compat.embedding_weight(peft_model.get_input_embeddings()))[1]
+            discrete = config.latent_type == "discrete"
+            self.z_norm = ZConditionedNorm(len(norms), hidden, num_latents=config.num_latents if discrete else None,
+                                           latent_dim=None if discrete else config.latent_dim)
+            for index, norm in enumerate(norms):
+                norm.register_forward_hook(functools.partial(self._condition_norm, index))
 
     # ------------------------------------------------------------------------------------------
     # Construction
@@ -431,15 +446,18 @@ class ZCVAE(nn.Module):
             parts = []
             for c in branches.chunks(R, self.config.branch_chunk_size):
                 kv = {} if cache is None else cache.open(c.start, hf_compat.cache_kwarg(self._hf_forward_params))
-                if z is not None:
-                    embeds = self._slot_embeds(input_ids[c], slot_start[c], z[c].to(input_ids.device))
-                    logits = self._lm(inputs_embeds=embeds, attention_mask=attention_mask[c], logits=True, **kv).logits
-                else:
-                    logits = self._lm(input_ids=input_ids[c], attention_mask=attention_mask[c], logits=True, **kv).logits
+                latent = latent_index[c] if latent_index is not None else (z[c] if z is not None else None)
+                with self._z_conditioned(latent, None if slot_start is None else slot_start[c].to(input_ids.device), S):
+                    if z is not None:
+                        embeds = self._slot_embeds(input_ids[c], slot_start[c], z[c].to(input_ids.device))
+                        logits = self._lm(inputs_embeds=embeds, attention_mask=attention_mask[c], logits=True, **kv).logits
+                    else:
+                        logits = self._lm(input_ids=input_ids[c], attention_mask=attention_mask[c], logits=True, **kv).logits
                 rows = torch.arange(logits.shape[0], device=logits.device)
                 parts.append(logits[rows, last_R[c]].float())  # (r, V)
         if cache is not None:
             cache.start(attention_mask)
+            cache.latent = latent_index if latent_index is not None else z  # the later steps' z-conditioned norms
         return torch.cat(parts, 0)
 
     def _decode_cached(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -449,10 +467,43 @@ class ZCVAE(nn.Module):
         with torch.no_grad():
             parts = []
             for c in branches.chunks(input_ids.shape[0], self.config.branch_chunk_size):
-                out = self._lm(input_ids=ids_R1[c], attention_mask=mask_RC[c], position_ids=position_R1[c], logits=True,
-                               **cache.kwargs(c.start, key))
+                # every new column lies after the z slot
+                with self._z_conditioned(None if cache.latent is None else cache.latent[c], None, 1):
+                    out = self._lm(input_ids=ids_R1[c], attention_mask=mask_RC[c], position_ids=position_R1[c], logits=True,
+                                   **cache.kwargs(c.start, key))
                 parts.append(out.logits[:, -1].float())  # (r, V)
         return torch.cat(parts, 0)
+
+    # ------------------------------------------------------------------------------------------
+    # z-conditioned norms (--z-conditioned-norm)
+    # ------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _z_conditioned(self, latent: torch.Tensor | None, slot_start_R: torch.Tensor | None, width: int) -> Iterator[None]:
+        """Inside: the decoder's norms are conditioned on ``latent`` (indices (R,) or z (R, D)), on the
+        positions from ``<z>`` on (``slot_start_R - 1``; None: every position, as in a cached decode step).
+        Entered inside a branch chunk's function, so a chunk's checkpointed recompute conditions alike."""
+        if self.z_norm is None or latent is None:
+            yield
+            return
+        keep_RS = None
+        if slot_start_R is not None:
+            keep_RS = torch.arange(width, device=slot_start_R.device)[None] >= (slot_start_R - 1)[:, None]
+        # through the module's own forward: a ZeRO-3 partitioned table is gathered there
+        self._z_condition = (self.z_norm(latent), keep_RS)
+        try:
+            yield
+        finally:
+            self._z_condition = None
+
+    def _condition_norm(self, index: int, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
+        """Forward hook of decoder norm ``index``: ``output * (1 + scale_z) + shift_z`` on the conditioned positions."""
+        if self._z_condition is None:
+            return None
+        scale_shift_RN2H, keep_RS = self._z_condition
+        scale_shift_R2H = scale_shift_RN2H[:, index].to(output.device)
+        conditioned = (output * (1 + scale_shift_R2H[:, None, 0]) + scale_shift_R2H[:, None, 1]).to(output.dtype)
+        return conditioned if keep_RS is None else torch.where(keep_RS.to(output.device)[..., None], conditioned, output)
 
     # ------------------------------------------------------------------------------------------
     # Pieces of the passes
@@ -638,7 +689,8 @@ class ZCVAE(nn.Module):
         ids_RS = branches.write_latent(ids_RS, slot_R, latent_index_R, latent_slots=self.tokens.latent_slots)
 
         def chunk_nll(c: slice) -> torch.Tensor:
-            out = self._branch_lm(prefix, c, reps, input_ids=ids_RS[c], attention_mask=mask_RS[c])
+            with self._z_conditioned(latent_index_R[c], slot_R[c], ids_RS.shape[1]):
+                out = self._branch_lm(prefix, c, reps, input_ids=ids_RS[c], attention_mask=mask_RS[c])
             return self._span_nll(out, labels_RS[c], n_span=n_span)[0]
 
         return self._run_branches(R, chunk_nll)  # (R, N)
@@ -660,7 +712,8 @@ class ZCVAE(nn.Module):
 
         def chunk_nll(c: slice) -> torch.Tensor:
             embeds = self._slot_embeds(ids_RS[c], slot_R[c], z_RD[c])
-            out = self._branch_lm(prefix, c, reps, inputs_embeds=embeds, attention_mask=mask_RS[c])
+            with self._z_conditioned(z_RD[c], slot_R[c], ids_RS.shape[1]):
+                out = self._branch_lm(prefix, c, reps, inputs_embeds=embeds, attention_mask=mask_RS[c])
             return self._span_nll(out, labels_RS[c], n_span=n_span)[0]
 
         return self._run_branches(R, chunk_nll)  # (R, N)
@@ -670,12 +723,14 @@ class ZCVAE(nn.Module):
     # ------------------------------------------------------------------------------------------
 
     def _latent_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """z rows (peft's trainable-token delta) + router/prior heads + projection, in a fixed order."""
+        """z rows (peft's trainable-token delta) + router/prior heads + projection + z-conditioned norms, in a fixed order."""
         reference = {id(p) for p in hf_compat.adapter_parameters(self.peft_model, REFERENCE_ADAPTER).values()}
         out = [(n, p) for n, p in self.named_parameters() if hf_compat.TRAINABLE_TOKENS_DELTA in n and id(p) not in reference]
         out += [(f"router.{n}", p) for n, p in self.router.named_parameters()]
         if self.projection is not None:
             out += [(f"projection.{n}", p) for n, p in self.projection.named_parameters()]
+        if self.z_norm is not None:
+            out += [(f"z_norm.{n}", p) for n, p in self.z_norm.named_parameters()]
         return out
 
     def lora_named_parameters(self) -> list[tuple[str, nn.Parameter]]:

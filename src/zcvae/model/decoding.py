@@ -96,6 +96,7 @@ class KVCache:
         self.past: dict[int, object] = {}  # chunk start row -> that chunk's Hugging Face cache
         self.mask_RC: torch.Tensor | None = None
         self.len_R: torch.Tensor | None = None
+        self.latent: torch.Tensor | None = None  # the rows' latent (indices or z) when the model conditions its norms on it
 
     @property
     def started(self) -> bool:

@@ -405,6 +405,37 @@ def no_split_module_names(model: nn.Module) -> set[str]:
     return names
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder's repeated blocks, in order.
+
+    The classes named by any Hugging Face ``_no_split_modules`` inside ``model`` (e.g.
+    ``LlamaDecoderLayer``); failing that, the children of every ``nn.ModuleList`` called ``layers`` or
+    ``h``.
+    """
+    names = no_split_module_names(model)
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = [
+            child
+            for name, m in model.named_modules()
+            if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h")
+            for child in m
+        ]
+    return layers
+
+
+def decoder_norms(model: nn.Module) -> list[nn.Module]:
+    """Each decoder layer's own norms, layer by layer, in definition order: the modules directly in a
+    layer whose class is ``nn.LayerNorm`` or whose name ends in ``Norm`` (Llama, Qwen2 and Mistral
+    ``input_layernorm`` and ``post_attention_layernorm`` (RMSNorm); GPT-2 ``ln_1``, ``ln_2``; GPT-NeoX
+    the same two as Llama). ValueError when a model has none: ``--z-conditioned-norm`` needs them."""
+    norms = [child for layer in decoder_layers(model) for child in layer.children()
+             if isinstance(child, nn.LayerNorm) or type(child).__name__.endswith("Norm")]
+    if not norms:
+        raise ValueError(f"no norm found inside the decoder layers of {type(model).__name__}: z_conditioned_norm needs them")
+    return norms
+
+
 def lm_decoder(peft_model: nn.Module) -> nn.Module | None:
     """The decoder of the Hugging Face LM inside ``peft_model``: the model without its LM head
     (``base_model``), or None when the LM has no separate one."""

@@ -16,7 +16,7 @@ from zcvae import distributed as zdist
 from zcvae.engines import Engine, EngineConfig, build_engine
 from zcvae.engines.base import named_param_groups
 from zcvae.engines.deepspeed import BUILTIN_DEEPSPEED_CONFIGS, resolve_deepspeed_config
-from zcvae.engines.fsdp2 import find_decoder_layers
+from zcvae.model.hf_compat import decoder_layers
 
 REPO = str(Path(__file__).resolve().parents[3])
 DS_DIR = os.path.join(REPO, "ds_configs")
@@ -195,9 +195,9 @@ def test_param_group_validation():
         named_param_groups(model, [{**g, "momentum": 0.9} for g in _groups(model)])
 
 
-def test_find_decoder_layers_falls_back_to_layers_modulelist():
+def test_decoder_layers_falls_back_to_layers_modulelist():
     model = _Toy()
-    assert find_decoder_layers(model) == list(model.layers)
+    assert decoder_layers(model) == list(model.layers)
 
 
 def test_local_engine_world1_contract():

@@ -43,8 +43,10 @@ def _decode(model, prompts, slot_R, latent_kw, *, cached: bool, stop_id: int):
         ("llama", dict(num_latents=3, num_z_slots=2, branch_chunk_size=2)),
         ("gpt2", dict(num_latents=2)),
         ("llama", dict(latent_type="continuous", latent_dim=4, num_z_slots=2)),
+        ("llama", dict(num_latents=3, z_conditioned_norm=True, branch_chunk_size=2)),
+        ("gpt2", dict(latent_type="continuous", latent_dim=4, z_conditioned_norm=True)),
     ],
-    ids=["llama-discrete", "llama-two-slots-chunked", "gpt2-discrete", "llama-gaussian"],
+    ids=["llama-discrete", "llama-two-slots-chunked", "gpt2-discrete", "llama-gaussian", "llama-z-norm-chunked", "gpt2-gaussian-z-norm"],
 )
 def test_cached_decode_equals_a_full_recompute(hf_backbone, perturbed_model, arch, cfg):
     model, _ = perturbed_model(hf_backbone(arch), ModelConfig(**cfg), lengths=[(2, 2), (3, 3)])

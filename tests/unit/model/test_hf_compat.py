@@ -273,3 +273,17 @@ def test_position_limit_reads_each_architectures_name():
     assert hf_compat.position_limit(SimpleNamespace(n_ctx=16)) == 16
     assert hf_compat.position_limit(SimpleNamespace(max_position_embeddings=None)) is None
     assert hf_compat.position_limit(None) is None
+
+
+def test_decoder_norms_are_each_layers_two_norms_in_order(tiny_llama):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    lm = tiny_llama(V)
+    layers = hf_compat.decoder_layers(lm)
+    assert len(layers) == lm.config.num_hidden_layers
+    assert hf_compat.decoder_norms(lm) == [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)], (
+        "transformers: a Llama layer no longer holds input_layernorm and post_attention_layernorm as its own norms")
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=2, n_positions=32))
+    assert hf_compat.decoder_norms(gpt2) == [n for block in gpt2.transformer.h for n in (block.ln_1, block.ln_2)]
+    with pytest.raises(ValueError, match="no norm found inside the decoder layers"):
+        hf_compat.decoder_norms(torch.nn.Sequential(torch.nn.Linear(2, 2)))

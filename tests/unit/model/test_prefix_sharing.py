@@ -105,6 +105,18 @@ def test_discrete_multi_slot_shared_prefix_equals_full_path(build, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("latent", ["discrete", "continuous"])
+def test_z_conditioned_norms_shared_prefix_equals_full_path(build, arch, latent):
+    """--z-conditioned-norm: the full path conditions the columns from <z> on, the shared path its whole
+    suffix (which starts at <z>); the same columns, so the same outputs and gradients, z_norm's included."""
+    cfg = dict(num_latents=3) if latent == "discrete" else dict(latent_type="continuous", latent_dim=4, num_latent_samples=2)
+    model, batch = build(arch, z_conditioned_norm=True, branch_chunk_size=4, **cfg)
+    kw = {"latent_noise": torch.randn(len(batch), 2, 4, generator=torch.Generator().manual_seed(2))} if latent == "continuous" else {}
+    assert_same(model, batch, **kw)
+    assert any(n.startswith("z_norm.") for n, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("num_samples", [1, 3])
 def test_gaussian_shared_prefix_equals_full_path(build, arch, num_samples):
     model, batch = build(arch, latent_type="continuous", latent_dim=4, num_z_slots=2, num_latent_samples=num_samples)
