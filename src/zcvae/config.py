@@ -31,7 +31,7 @@ from pathlib import Path
 from collections.abc import Iterable, Mapping
 from typing import Any
 from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY, term_by_abbreviation, with_term_weight_fields
-from zcvae.presets import DEFAULT
+from zcvae.presets import DEFAULT, objective_presets_path
 from zcvae.runs.sinks import DEFAULT_REPORT_TO, sink_names
 from zcvae.strict import StrictDataclass
 
@@ -40,6 +40,22 @@ logger = logging.getLogger(__name__)
 
 def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
+
+
+def _read_objective_presets() -> dict[str, dict[str, float]]:
+    """src/zcvae/presets/objectives.yaml: each preset's terms by abbreviation -> their weight fields."""
+    import yaml
+
+    path = objective_presets_path()
+    presets = {}
+    for name, entries in yaml.safe_load(path.read_text()).items():
+        presets[name] = {key if key == "token_weight_alpha" else term_by_abbreviation(key).weight_field: float(value)
+                         for key, value in entries.items()}
+    return presets
+
+
+# --objective NAME: its weights (absent = 0) and, where it sets one, alpha
+OBJECTIVE_PRESETS: dict[str, dict[str, float]] = _read_objective_presets()
 
 
 @dataclass
@@ -87,7 +103,7 @@ class ModelSection(StrictDataclass):
 class ObjectiveSection(StrictDataclass):
     """The training objective: the reconstruction terms (one weight per registered term), c_base, the KL and its schedule, the auxiliaries."""
 
-    objective: str | None = _f(None, "Reconstruction preset (see OBJECTIVE_PRESETS): raw, dist, tok, tokcc, tokinv, ex, raw+tokcc, raw+dist, raw+tok+dist; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: the default run preset, src/zcvae/presets/default.yaml (its objective and the fields that go with it, under any flag given; TrainConfig() in Python keeps raw 1.0).", choices=("raw", "dist", "tok", "tokcc", "tokinv", "ex", "raw+tokcc", "raw+dist", "raw+tok+dist", "custom"))
+    objective: str | None = _f(None, f"Reconstruction preset (src/zcvae/presets/objectives.yaml): {', '.join(OBJECTIVE_PRESETS)}; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: the default run preset, src/zcvae/presets/default.yaml (its objective and the fields that go with it, under any flag given; TrainConfig() in Python keeps raw 1.0).", choices=(*OBJECTIVE_PRESETS, "custom"))
     reconstruction_loss_token_aggregation_mode: str = _f("mean", "Token aggregation of every reconstruction term: mean (per-example token mean, then an example mean), sum (per-example token sum, then an example mean) or token (the global token mean: every supervised token of the global batch, all ranks and micro-batches, weighs the same).", choices=("mean", "sum", "token"))
     reconstruction_weight_scale: str = _f("none", "none, or tokens: the weights of the terms in the mode's units (raw and tok; the terms divided by c_base or A(b_i) are ratios and stay) are brought to a sequence's size: under mean and token multiplied by the validation mean of n_i (supervised tokens per example), under sum by its scale C (1 unless reconstruction-loss-sum-scale is set). Under mean every example still weighs the same, but the reconstruction has a sequence's size against the per-example KL, as under sum (docs/objective.md, \"Scale against the KL\").", choices=("none", "tokens"))
     reconstruction_weight_factor: float | None = _f(None, "The multiplier of the mode-unit weights that reconstruction-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
@@ -393,32 +409,12 @@ class TrainConfig(StrictDataclass):
 # One weight field per registered reconstruction term (core/terms.py), in registry order.
 RECONSTRUCTION_WEIGHT_FIELDS = tuple(term.weight_field for term in RECONSTRUCTION_TERM_REGISTRY)
 
-# ---- objective presets -------------------------------------------------------------------------------
-# One preset per arm of the aggregation pilot (raw, dist, tokcc and the hybrids, in mean and sum). Each sets all six reconstruction weights (absent = 0); alpha is
-# set only where the preset uses the surprisal-share token weights, else the config's alpha stays.
-# tokcc uses alpha 0.5: at alpha 1 nearly all of an example's weight sits on the one strategy-revealing
-# token, and the decoder's other tokens drift (docs/results/pilot.md: NMI 1 but exact match 0). tok (the raw surprisal-share
-# token-weighted term) and tokinv use the same alpha, so that the token-weighted presets compare at
-# matched alpha (the comparison is meant at the same mode, alpha and c_base); tokinv kept alpha 1 before, which confounded tokcc against tokinv.
-# The hybrids keep the raw term at weight 1, so the decoder is trained on every token as in plain
-# likelihood training, and add one normalized term that keeps z in use under the KL.
-# Weight fields looked up by abbreviation, so a term added to the registry leaves the presets as they are.
+# ---- objective presets (OBJECTIVE_PRESETS, read from their file above the sections) --------------------
 _W_RAW, _W_DIST, _W_EX, _W_TOK, _W_TOKCC, _W_TOKINV = (
     term_by_abbreviation(a).weight_field for a in ("raw", "dist", "ex", "tok", "tokcc", "tokinv")
 )
-OBJECTIVE_PRESETS: dict[str, dict[str, float]] = {
-    "raw": {_W_RAW: 1.0},
-    "dist": {_W_DIST: 1.0},
-    "tok": {_W_TOK: 1.0, "token_weight_alpha": 0.5},
-    "tokcc": {_W_TOKCC: 1.0, "token_weight_alpha": 0.5},
-    "tokinv": {_W_TOKINV: 1.0, "token_weight_alpha": 0.5},
-    "ex": {_W_EX: 1.0},
-    "raw+tokcc": {_W_RAW: 1.0, _W_TOKCC: 1.0, "token_weight_alpha": 0.5},
-    "raw+dist": {_W_RAW: 1.0, _W_DIST: 1.0},
-    # raw+dist plus the token-weighted L_tok, which puts the weight of each example on its high-surprisal
-    # (decision) tokens: the default preset's objective (docs/guide/objective-and-presets.md, "The default preset")
-    "raw+tok+dist": {_W_RAW: 1.0, _W_TOK: 1.0, _W_DIST: 1.0, "token_weight_alpha": 0.5},
-}
+
+
 CUSTOM_OBJECTIVE = "custom"
 # What `zcvae train` runs when no objective flag is given: the run preset src/zcvae/presets/default.yaml,
 # its objective and the fields that go with it (docs/guide/objective-and-presets.md, "The default preset"); the library's TrainConfig() stays raw.

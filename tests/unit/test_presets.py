@@ -49,6 +49,27 @@ def test_the_issue_presets_exist_by_exact_name():
     assert set(OBJECTIVE_PRESETS) == set(EXPECTED)
 
 
+def test_objective_presets_come_from_their_file_and_are_the_flags_choices_and_no_run_preset(tmp_path):
+    """One mechanism, files: presets/objectives.yaml holds them; --objective offers exactly them; --config objectives
+    is not a run preset."""
+    import dataclasses
+
+    import yaml
+
+    from zcvae.config import ObjectiveSection
+    from zcvae.core.terms import term_by_abbreviation
+    from zcvae.presets import objective_presets_path, preset_names
+
+    written = yaml.safe_load(objective_presets_path().read_text())
+    assert {name: {k if k == "token_weight_alpha" else term_by_abbreviation(k).weight_field: v for k, v in entries.items()}
+            for name, entries in written.items()} == OBJECTIVE_PRESETS
+    choices = {f.name: f for f in dataclasses.fields(ObjectiveSection)}["objective"].metadata["choices"]
+    assert set(choices) == set(OBJECTIVE_PRESETS) | {"custom"}
+    assert "objectives" not in preset_names() and {"default", "late-decisions"} <= set(preset_names())
+    with pytest.raises(ValueError, match="config file objectives does not exist"):
+        train_cfg("--config", "objectives")
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_objective_flag_expands_to_all_six_weights_and_alpha(name):
     cfg = train_cfg("--objective", name)

@@ -18,11 +18,19 @@ _HERE = Path(__file__).resolve().parent
 LATE_DECISIONS = "late-decisions"
 # What `zcvae train` runs when no objective flag is given (zcvae.config.DEFAULT_PRESET; docs/guide/objective-and-presets.md, "The default preset").
 DEFAULT = "default"
+# The objective presets (``--objective NAME``): term weights by the terms' abbreviations, one file for all of them
+# (zcvae.config.OBJECTIVE_PRESETS reads it). Not a run preset: ``--config objectives`` is no preset name.
+OBJECTIVES = "objectives"
 
 
 def preset_names() -> list[str]:
-    """The presets that ship with this install."""
-    return sorted(p.stem for p in _HERE.glob("*.yaml"))
+    """The run presets that ship with this install."""
+    return sorted(p.stem for p in _HERE.glob("*.yaml") if p.stem != OBJECTIVES)
+
+
+def objective_presets_path() -> Path:
+    """The file of the objective presets (``--objective NAME``)."""
+    return _HERE / f"{OBJECTIVES}.yaml"
 
 
 def preset_path(name: str) -> Path | None:
