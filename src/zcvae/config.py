@@ -342,30 +342,14 @@ class TrainConfig(StrictDataclass):
         )
 
     def model_config(self):
+        """The model's config: every field the model section shares with :class:`~zcvae.model.config.ModelConfig`
+        by name, the fresh-marker flag (``allow_fresh_markers``, which the model calls what it does with them,
+        ``train_fresh_markers``) and the base dtype as loaded."""
         from zcvae.model.config import ModelConfig
 
-        m = self.model
-        return ModelConfig(
-            latent_type=m.latent_type,
-            num_latents=m.num_latents,
-            latent_dim=m.latent_dim,
-            num_z_slots=m.num_z_slots,
-            num_latent_samples=m.num_latent_samples,
-            z_conditioned_norm=m.z_conditioned_norm,
-            learned_prior=m.learned_prior,
-            lora_r=m.lora_r,
-            lora_alpha=m.lora_alpha,
-            lora_dropout=m.lora_dropout,
-            lora_target_modules=m.lora_target_modules,
-            branch_chunk_size=m.branch_chunk_size,
-            z_init_noise=m.z_init_noise,
-            gradient_checkpointing=m.gradient_checkpointing,
-            posterior_pooling=m.posterior_pooling,
-            share_x_prefix=m.share_x_prefix,
-            trust_remote_code=m.trust_remote_code,
-            train_fresh_markers=m.allow_fresh_markers,
-            dtype=self.resolved_base_dtype,
-        )
+        shared = {f.name for f in dataclasses.fields(ModelConfig)} & {f.name for f in dataclasses.fields(ModelSection)}
+        return ModelConfig(**{name: getattr(self.model, name) for name in sorted(shared)},
+                           train_fresh_markers=self.model.allow_fresh_markers, dtype=self.resolved_base_dtype)
 
     @property
     def resolved_base_dtype(self) -> str:

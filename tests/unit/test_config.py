@@ -234,3 +234,26 @@ def test_the_late_decisions_preset_round_trips_through_the_run_name_and_run_conf
     (tmp_path / "run_config.json").write_text(json.dumps({"config": cfg.to_sections()}))
     flat = read_run_record(tmp_path)["config"]
     assert {k: flat[k] for k in preset} == preset and flat["router_support_schedule"] == "delay"
+
+
+def test_the_model_config_is_the_model_section_without_a_hand_copy():
+    """Every ModelConfig field comes from the model section's field of the same name (none left at the model's
+    own default by a forgotten copy), plus the fresh-marker flag under the model's name and the base dtype."""
+    import dataclasses
+
+    from zcvae.config import ModelSection
+    from zcvae.model.config import ModelConfig
+
+    changed = dict(latent_type="continuous", latent_dim=5, num_z_slots=3, num_latent_samples=2, learned_prior=False, lora_r=4,
+                   lora_alpha=7, lora_dropout=0.1, lora_target_modules=["q_proj"], branch_chunk_size=3, z_init_noise=0.2,
+                   gradient_checkpointing=True, posterior_pooling="mean", share_x_prefix=False, trust_remote_code=True,
+                   allow_fresh_markers=True, precision="bf16")
+    cfg = TrainConfig.from_flat(task="copy", **changed)
+    model = cfg.model_config()
+    for f in dataclasses.fields(ModelSection):
+        if f.name in {g.name for g in dataclasses.fields(ModelConfig)}:
+            assert getattr(model, f.name) == getattr(cfg.model, f.name), f.name
+    assert model.train_fresh_markers is True and model.dtype == "bfloat16"
+    untouched = {g.name for g in dataclasses.fields(ModelConfig)} - {f.name for f in dataclasses.fields(ModelSection)}
+    assert untouched == {"train_fresh_markers", "dtype", "disable_backbone_dropout"}, "a new model field needs a section field"
+    assert TrainConfig.from_flat(task="copy", z_conditioned_norm=True).model_config().z_conditioned_norm
