@@ -323,7 +323,7 @@ class ZConditionedNorm(nn.Module):
     The model applies them to a norm's output on the z-conditioned positions, ``norm(h) * (1 + scale) +
     shift`` (``ZCVAE``, ``--z-conditioned-norm``): the notes' architectural remedy for the single z token,
     whose effect on early y positions goes through attention alone and may stay too small for the
-    reconstruction to pull z into use (seed 002, "When it may not suffice"). Here z reaches every
+    reconstruction to pull z into use (docs/objective.md#dilution). Here z reaches every
     position of every layer directly. Zero at initialisation, so the model starts as it would without
     it, while the gradient on the table is not zero: ``d l_t / d scale_z = d l_t / d out * norm(h)``
     at every conditioned position.
