@@ -47,7 +47,12 @@ def test_sigterm_in_the_c_base_pass_of_two_ranks_exits_75_within_10_s_with_one_l
     text = "".join(out) + rest
     assert took < 10, text[-3000:]
     lines = [line for line in text.splitlines() if line.startswith("zcvae train:")]
-    assert len(lines) == 2 and all("stopped by SIGTERM during the c_base pass, before step 1: nothing to save" in line for line in lines), text[-3000:]
+    # torchrun forwards the signal to both ranks; a rank blocked in the phase's collective runs its Python handler only
+    # after the collective returns, so it may learn of the stop from the other rank first and say so
+    own, other = ("stopped by SIGTERM during the c_base pass, before step 1: nothing to save",
+                  "stopped by a signal on another rank during the c_base pass, before step 1: nothing to save")
+    assert len(lines) == 2 and all(own in line or other in line for line in lines), text[-3000:]
+    assert any(own in line for line in lines), text[-3000:]
     # the one traceback allowed is torchrun's own: its agent re-raises the signal it forwarded
     assert text.count("Traceback") == text.count("elastic.multiprocessing.api.SignalException: Process"), text[-3000:]
     assert proc.returncode != 0  # torchrun's own code; the sbatch script requeues any non-zero after a stop it forwarded

@@ -82,3 +82,9 @@ if __name__ == "__main__":
     from zcvae.distributed import shutdown_distributed
 
     shutdown_distributed()
+    # DeepSpeed's engine can still own a native thread at interpreter teardown, which then aborts ("terminate called
+    # without an active exception", SIGABRT) after both ranks printed SHARDED-OK: seen once in a fresh-venv run of the
+    # gpt2-deepspeed case. The work is checked above; end here without the teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
