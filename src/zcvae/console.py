@@ -62,7 +62,7 @@ class _ConsoleHandler(logging.StreamHandler):
         return getattr(sys, self.target)
 
     @stream.setter
-    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the property always reads sys.stdout
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the property reads sys.<target> instead
         pass
 
 
@@ -78,7 +78,12 @@ def install() -> logging.Handler:
     root.addHandler(handler)
     # zcvae's lines are its console output: an application's root handlers would print each twice
     root.propagate = False
-    set_levels(os.environ.get(ENV) or DEFAULT_LEVEL, source=ENV if os.environ.get(ENV) else "default")
+    set_levels(DEFAULT_LEVEL, source="default")
+    if os.environ.get(ENV):
+        try:
+            set_levels(os.environ[ENV], source=ENV)
+        except ValueError as err:  # at import time: say so and keep the default, rather than fail every import
+            logging.getLogger(__name__).warning(f"{err}; using the default level {DEFAULT_LEVEL}")
     return handler
 
 

@@ -84,3 +84,12 @@ def test_the_cli_takes_log_level_before_or_after_the_command_and_rejects_a_bad_o
     for argv in (["--log-level", "error", "evaluate", str(tmp_path / "none")], ["evaluate", str(tmp_path / "none"), "--log-level=error"]):
         done = subprocess.run([sys.executable, "-m", "zcvae", *argv], capture_output=True, text=True, env=env)
         assert done.returncode == 2 and done.stderr.startswith("zcvae evaluate: error:"), done.stderr
+
+
+def test_a_bad_environment_level_warns_and_keeps_the_default_instead_of_failing_the_import(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), console.ENV: "loud"}
+    done = subprocess.run([sys.executable, "-c", "import zcvae, logging; print(logging.getLogger('zcvae').level)"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["ZCVAE_LOG_LEVEL: 'loud': the level must be one of debug, info, warning, error, critical; "
+                                        "using the default level info", str(logging.INFO)]
