@@ -44,6 +44,9 @@ from zcvae.model import hf_compat
 
 __all__ = ["BUILTIN_DEEPSPEED_CONFIGS", "DeepSpeedEngine", "Zero3Loading", "resolve_deepspeed_config"]
 
+PREFETCH_BUCKET_GPU = 50_000_000
+"""ZeRO-3's ``stage3_prefetch_bucket_size`` on a GPU (DeepSpeed's default); 0 on CPU."""
+
 _COMMON: dict[str, Any] = {
     "steps_per_print": 1_000_000_000,
     "wall_clock_breakdown": False,
@@ -53,7 +56,7 @@ _ZERO3: dict[str, Any] = {
     "overlap_comm": True,
     "contiguous_gradients": True,
     "reduce_bucket_size": 50_000_000,
-    "stage3_prefetch_bucket_size": 50_000_000,
+    # stage3_prefetch_bucket_size: set by resolve_deepspeed_config, by device.
     # Parameters below this many elements stay whole on every rank (LoRA matrices usually do):
     # cheaper than gathering them for every forward.
     "stage3_param_persistence_threshold": 100_000,
@@ -141,6 +144,12 @@ def resolve_deepspeed_config(config: EngineConfig) -> dict[str, Any]:
     stage = zero.setdefault("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"deepspeed_config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    if stage == 3:
+        # Prefetching gathers the next bucket while a GPU computes. On CPU it only adds memory: zcvae's
+        # passes call the layers in a changing order, which keeps invalidating DeepSpeed's trace and
+        # discards the prefetched buckets. Measured +0.46 GiB per rank at 360M, world 2 (BENCHMARKS.md,
+        # "Host memory"). A value in the user's JSON wins.
+        zero.setdefault("stage3_prefetch_bucket_size", PREFETCH_BUCKET_GPU if torch.cuda.is_available() else 0)
     if config.cpu_offload:
         if stage == 0:
             raise ValueError("cpu_offload needs ZeRO stage >= 1 (the deepspeed_config says stage 0)")
@@ -168,6 +177,57 @@ def _register_trainable_token_bases(model: nn.Module) -> None:
 
     for module, weight in hf_compat.trainable_token_base_weights(model):
         deepspeed.zero.register_external_parameter(module, weight)
+
+
+def _release_after_each_backward_call(ds_engine: Any) -> None:
+    """Make ZeRO-3 release a module's parameters after the backward of each of its forward calls.
+
+    DeepSpeed counts a module's pending input gradients in one per-module counter, which every forward
+    call resets to that call's count. A module called more than once before backward (zcvae runs the
+    shared x-prefix, the K branches and the posterior pass through the same layers) therefore reaches
+    zero once, after the backward of its last call, and never again: every later backward visit gathers
+    the parameters anew and keeps them until the step ends. Measured, each rank ends its backward holding
+    the whole base gathered (690 MiB of live bf16 parameters at 360M against 95 MiB with this), the peak
+    of the step (BENCHMARKS.md, "Host memory"). This swaps in the same autograd hook with one counter per
+    call; a linear layer whose parameters another call released in between gathers them again itself
+    (DeepSpeed's ZeRO-3 linear), and the parameters of other layers are below the persistence threshold.
+    Nothing numeric changes: the same gathers, fewer held at once (step losses identical, tested)."""
+    offload = getattr(ds_engine.optimizer, "parameter_offload", None)
+    if offload is None:
+        return
+    for module in ds_engine.module.modules():
+        if "post_bwd_fn" in module.__dict__:  # DeepSpeed's hook class for this module
+            module.post_bwd_fn = _per_call_post_backward(module, offload)
+
+
+def _per_call_post_backward(module: nn.Module, offload: Any) -> type[torch.autograd.Function]:
+    # DeepSpeed applies this to each input tensor of each call, after setting ds_grads_remaining to 0
+    # for the call: a 0 here starts a new call's counter.
+    class PostBackwardPerCall(torch.autograd.Function):
+        @staticmethod
+        def forward(t: torch.Tensor) -> torch.Tensor:
+            return t.detach()
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+            (t,) = inputs
+            ctx.call = None
+            if t.requires_grad:
+                if module.ds_grads_remaining == 0:
+                    module.__dict__["_zcvae_pending_grads"] = [0]
+                ctx.call = module.__dict__["_zcvae_pending_grads"]
+                ctx.call[0] += 1
+                module.ds_grads_remaining += 1
+
+        @staticmethod
+        def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+            if ctx.call is not None:
+                ctx.call[0] -= 1
+                if ctx.call[0] == 0:
+                    offload.post_sub_module_backward_function(module)
+            return grads
+
+    return PostBackwardPerCall
 
 
 def _start_deepspeed(config: EngineConfig) -> zdist.DistInfo:
@@ -250,6 +310,7 @@ class DeepSpeedEngine(EngineBase):
         ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self._client_optimizer, config=ds_config)
         if ds_config["zero_optimization"]["stage"] == 3:
             _register_trainable_token_bases(model)
+            _release_after_each_backward_call(ds_engine)
         super().__init__(info, model=model, module=ds_engine, num_groups=len(named_groups))
         self.stage = int(ds_config["zero_optimization"]["stage"])
         self.ds_config = ds_config
