@@ -26,10 +26,10 @@ Terms (bytes per rank), each from the code path it models:
   makes a (V, H) gradient (``token_rows``).
 - ``reference``: the z-free no-grad forward (adapters off), online per batch, or once before training for
   the precomputed store; a transient (one layer and a logit chunk), it does not add to the train peak.
-- ``comm``: ZeRO-3 keeps fetched parameters live between their uses once the first step has traced the
-  module order (``stage3_max_reuse_distance`` and ``stage3_max_live_parameters`` are 1e9 elements: up to
-  that many base elements stay gathered, at compute dtype) plus its ``reduce_bucket_size`` gradient
-  buffer; ZeRO-1/2 their reduce buckets; FSDP2 the root's parameters (embeddings, final norm, head; the
+- ``comm``: ZeRO-3 on CPU holds the embedding and head and about one layer gathered at once (measured: the
+  trace never settles, so every module is released after each visit); on a GPU, once the trace has settled,
+  up to ``stage3_max_reuse_distance`` (1e9) base elements may stay gathered at compute dtype, plus the
+  prefetched bucket (not measured); either way plus its ``reduce_bucket_size`` gradient buffer; ZeRO-1/2 their reduce buckets; FSDP2 the root's parameters (embeddings, final norm, head; the
   root is not resharded after forward) and two decoder layers (the current one and the prefetched one)
   unsharded at compute dtype.
 - host only (``device="cpu"``): ``load``, the transient of building the model (today: the whole float32
@@ -55,8 +55,9 @@ __all__ = ["LOGIT_CHUNK_ELEMENTS", "PlanSpec", "ZERO3", "fixed_host_bytes", "lar
 # zcvae.model.cvae.LOGIT_CHUNK_ELEMENTS and engines.deepspeed._ZERO3, read here as numbers: the plan runs
 # without importing torch; tests/unit/plan/test_memory.py checks that they are the code's values
 LOGIT_CHUNK_ELEMENTS = 1 << 24
-ZERO3 = {"reduce_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
-         "stage3_max_live_parameters": 1_000_000_000}
+ZERO3 = {"reduce_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+         "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000}
+ZERO3_PREFETCH = {"gpu": 50_000_000, "cpu": 0}  # engines.deepspeed.resolve_deepspeed_config, by device
 REDUCE_BUCKET = 50_000_000  # ZeRO-1/2 reduce (and ZeRO-2 all-gather) buckets, elements
 DDP_BUCKET_BYTES = 25 * 2**20
 # zcvae train on the tiny backbone (bench/memory_bench.py TINY), peak RSS per rank: the fixed cost of the
@@ -95,7 +96,7 @@ class PlanSpec:
     device: str = "gpu"  # "gpu": device memory; "cpu": host RSS (adds loading, calibration, fixed cost)
     disk_dtype: str = "bfloat16"  # the safetensors files' dtype (host loading transient)
     num_train_examples: int = 4000  # the calibration batch is min(256, this)
-    step: str = "steady"  # "steady" (ZeRO-3's traced reuse) or "first" (step 1: ZeRO-3 releases after use)
+    step: str = "steady"  # ZeRO-3 on a GPU: "steady" (the traced reuse distance) or "first" (step 1: released after each use)
 
     def resolved_base_dtype(self) -> str:
         if self.base_dtype == "auto":
@@ -275,12 +276,22 @@ def plan_memory(spec: PlanSpec) -> Plan:
 
     # communication buffers
     if stage == 3:
-        # measured on CPU (bench/memory_bench.py): already in step 1 the fetched base parameters stay gathered
-        # through the forwards of the K branches and the reference to the backward (their reuse distance is far
-        # below the 1e9-element stage3_max_reuse_distance), up to stage3_max_live_parameters, in the base dtype
-        live = min(N_base - N_persist, ZERO3["stage3_max_live_parameters"]) * g
-        notes.append("ZeRO-3: every fetched base parameter stays live between its uses in a step (the 1e9-element reuse "
-                     "distance), up to stage3_max_live_parameters: lower both in a --deepspeed-config JSON to trade memory for gathers")
+        H, L, I, q, kv, V = _dims(spec.config)
+        root = V * H * (1 if spec.config.get("tie_word_embeddings") else 2) + H
+        if spec.device == "cpu" or spec.step == "first":
+            # before DeepSpeed has traced a step, and on CPU throughout (measured over 4 steps, bench/memory_bench.py:
+            # zcvae's passes keep invalidating the trace), each module's parameters are released after each
+            # forward and backward visit (engines.deepspeed._release_after_each_backward_call): the embedding and
+            # head (gathered whole for the trainable-token merge) and about one layer are held at once
+            live = (root + 2 * (N_base - root) / L) * g
+        else:
+            # once the trace is stable, DeepSpeed keeps parameters it will reuse within stage3_max_reuse_distance
+            # elements, up to stage3_max_live_parameters, plus the prefetched bucket; not measured on a GPU
+            live = (min(N_base - N_persist, ZERO3["stage3_max_live_parameters"], ZERO3["stage3_max_reuse_distance"])
+                    + ZERO3_PREFETCH["gpu"]) * g
+            notes.append("ZeRO-3 on a GPU: a fetched base parameter may stay gathered between its uses in a step (the "
+                         "1e9-element stage3_max_reuse_distance, up to stage3_max_live_parameters): lower both in a "
+                         "--deepspeed-config JSON to trade memory for gathers")
         comm = live + ZERO3["reduce_bucket_size"] * c + 4 * N_train / W
     elif stage in (1, 2):
         comm = REDUCE_BUCKET * 4 * (2 if stage == 2 else 1)
