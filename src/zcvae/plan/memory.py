@@ -292,7 +292,9 @@ def plan_memory(spec: PlanSpec) -> Plan:
             notes.append("ZeRO-3 on a GPU: a fetched base parameter may stay gathered between its uses in a step (the "
                          "1e9-element stage3_max_reuse_distance, up to stage3_max_live_parameters): lower both in a "
                          "--deepspeed-config JSON to trade memory for gathers")
-        comm = live + ZERO3["reduce_bucket_size"] * c + 4 * N_train / W
+        # the gradient bucket is allocated whole; host RSS counts only the pages written, the gradients it holds
+        bucket = ZERO3["reduce_bucket_size"] if spec.device == "gpu" else min(ZERO3["reduce_bucket_size"], N_train)
+        comm = live + bucket * c + 4 * N_train / W
     elif stage in (1, 2):
         comm = REDUCE_BUCKET * 4 * (2 if stage == 2 else 1)
     elif spec.engine == "fsdp2":
