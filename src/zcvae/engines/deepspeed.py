@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +42,8 @@ from zcvae import distributed as zdist
 from zcvae.engines.base import AdamWSettings, EngineBase, EngineConfig, clip_and_norm, groups_from_names, prepare_model
 from zcvae.engines.base import trainable_named_parameters
 from zcvae.model import hf_compat
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["BUILTIN_DEEPSPEED_CONFIGS", "DeepSpeedEngine", "Zero3Loading", "resolve_deepspeed_config"]
 
@@ -193,11 +196,15 @@ def _release_after_each_backward_call(ds_engine: Any) -> None:
     (DeepSpeed's ZeRO-3 linear), and the parameters of other layers are below the persistence threshold.
     Nothing numeric changes: the same gathers, fewer held at once (step losses identical, tested)."""
     offload = getattr(ds_engine.optimizer, "parameter_offload", None)
-    if offload is None:
+    hooked = [m for m in ds_engine.module.modules() if "post_bwd_fn" in m.__dict__]  # DeepSpeed's hook class per module
+    if offload is None or not hooked or not hasattr(offload, "post_sub_module_backward_function"):
+        import deepspeed
+
+        logger.warning(f"[engine] ZeRO-3: DeepSpeed {deepspeed.__version__} lacks the post-backward hooks zcvae adjusts; "
+                       "a layer called more than once per step stays gathered to the end of its backward (more memory, same numbers)")
         return
-    for module in ds_engine.module.modules():
-        if "post_bwd_fn" in module.__dict__:  # DeepSpeed's hook class for this module
-            module.post_bwd_fn = _per_call_post_backward(module, offload)
+    for module in hooked:
+        module.post_bwd_fn = _per_call_post_backward(module, offload)
 
 
 def _per_call_post_backward(module: nn.Module, offload: Any) -> type[torch.autograd.Function]:
