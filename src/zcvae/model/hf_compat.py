@@ -16,7 +16,9 @@ peft
     buffer, ``token_indices`` and ``get_base_layer()`` (``token_adapter_rows``).
     ``TrainableTokensLayer.base_layer``, the embedding or head whose full weight the layer reads
     without calling it (``trainable_token_base_weights``), and the ``token_adapter`` that peft's
-    wrapper puts in the embedding's place (``embedding_weight``).
+    wrapper puts in the embedding's place (``embedding_weight``). Its ``active_adapters``,
+    ``disable_adapters``, ``merged`` and ``_check_overlapping_tokens``, and a linear path without a
+    bias, which a tied head's layer replaces with a column correction (``column_corrected_tied_heads``).
     ``peft_config[active_adapter]``: the LoRA config a model was built with (``adapter_config``).
     LoRA's initialisation order (``lora_initial_values``): per LoRA layer, in module order,
     ``nn.Linear(in, r)`` then ``nn.Linear(r, out)`` (each drawing its default init), then
@@ -52,6 +54,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "column_corrected_tied_heads",
     "TRAINABLE_TOKENS_DELTA",
     "adapter_active",
     "adapter_config",
@@ -363,6 +366,43 @@ def token_adapter_rows(peft_model: nn.Module) -> list[tuple[nn.Module, str, nn.M
                 if adapter in holder:
                     out.append((holder, adapter, module.get_base_layer(), list(indices)))
     return out
+
+
+def column_corrected_tied_heads(peft_model: nn.Module) -> int:
+    """Give every trainable-token layer that wraps a linear head (the head of a tied embedding) a forward
+    that computes the base logits and overwrites the trained tokens' columns, instead of peft's, which
+    copies the whole (V, H) weight with the trained rows written in and multiplies by that. The results
+    are the same columns of the same products; what changes is memory: peft's copy is kept for the
+    backward once per head call (one per logit chunk) and its gradient is a dense (V, H) tensor, 90 MiB
+    each in bf16 at SmolLM2-360M's 49k x 960 (BENCHMARKS.md, "Host memory"). Returns how many layers.
+
+    Relies on peft's ``TrainableTokensLayer`` (``base_layer``, ``active_adapters``, ``disable_adapters``,
+    ``merged``, ``token_indices``, ``trainable_tokens_delta``, ``_check_overlapping_tokens``) and on its
+    linear path having no bias, as peft's own does not."""
+    import types
+
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    layers = [m for m in peft_model.modules() if isinstance(m, TrainableTokensLayer) and isinstance(m.base_layer, nn.Linear)]
+    for layer in layers:
+        layer.forward = types.MethodType(_column_corrected_forward, layer)
+    return len(layers)
+
+
+def _column_corrected_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    active = self.active_adapters
+    if self.disable_adapters or not active or self.merged:
+        return TrainableTokensLayer.forward(self, x, *args, **kwargs)
+    self._check_overlapping_tokens(active)
+    weight_VH = self.base_layer.weight
+    logits = torch.nn.functional.linear(x, weight_VH)
+    for adapter in active:  # in order, as peft merges them: a later adapter's rows win
+        index = torch.tensor(self.token_indices[adapter], device=logits.device)
+        columns = torch.nn.functional.linear(x, self.trainable_tokens_delta[adapter].to(weight_VH))
+        logits = logits.index_copy(-1, index, columns)
+    return logits
 
 
 def zero3_build_contexts(zero_init) -> list:

@@ -287,3 +287,53 @@ def test_decoder_norms_are_each_layers_two_norms_in_order(tiny_llama):
     assert hf_compat.decoder_norms(gpt2) == [n for block in gpt2.transformer.h for n in (block.ln_1, block.ln_2)]
     with pytest.raises(ValueError, match="no norm found inside the decoder layers"):
         hf_compat.decoder_norms(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def _tied_peft(tiny_llama, rows: list[int]):
+    lm = tiny_llama(V)
+    lm.config.tie_word_embeddings = True
+    lm.tie_weights()
+    return _peft(lm, trainable_tokens=rows)
+
+
+def test_the_column_corrected_tied_head_gives_peft_s_logits_and_gradients_without_a_vh_copy(tiny_llama):
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    rows = [3, 5, 11]
+    ids = _ids()
+
+    def run(model):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            logits = model(input_ids=ids).logits
+        (logits.float().square().mean()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return logits.detach(), grads, saved
+
+    peft_model = _tied_peft(tiny_llama, rows)
+    peft_logits, peft_grads, peft_saved = run(peft_model)
+    model = _tied_peft(tiny_llama, rows)
+    heads = [m for m in model.modules() if isinstance(m, TrainableTokensLayer) and isinstance(m.base_layer, torch.nn.Linear)]
+    assert heads, "peft: a tied head is no longer a TrainableTokensLayer over the linear head"
+    assert hf_compat.column_corrected_tied_heads(model) == len(heads)
+    logits, grads, saved = run(model)
+    peft_head = [m for m in peft_model.modules() if isinstance(m, TrainableTokensLayer) and isinstance(m.base_layer, torch.nn.Linear)]
+    torch.testing.assert_close(logits, peft_logits, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == peft_grads.keys() and any("trainable_tokens_delta" in n for n in grads)
+    for name, g in peft_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    weight = heads[0].base_layer.weight
+
+    def vh_copies(tensors):  # (V, H) or (H, V) tensors kept for the backward that are not the weight's storage
+        return [t for t in tensors if sorted(t.shape) == sorted(weight.shape) and not _same_storage(t, weight)]
+
+    assert [t for t in peft_saved if sorted(t.shape) == sorted(weight.shape) and not _same_storage(t, peft_head[0].base_layer.weight)], "peft's tied head no longer keeps a merged (V, H) weight: the correction may be moot"
+    assert not vh_copies(saved), "the corrected head must keep no (V, H) copy for its backward"
+    with torch.no_grad(), hf_compat.adapters_disabled(model), hf_compat.adapters_disabled(peft_model):  # the base head, as peft's
+        base = model(input_ids=ids).logits
+        torch.testing.assert_close(base, peft_model(input_ids=ids).logits)
+        assert not torch.allclose(base, logits, atol=1e-3), "the trained rows must change some logits"
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
