@@ -21,9 +21,10 @@ Terms (bytes per rank), each from the code path it models:
   (``branch_chunk_size``, each checkpointed whole, layer checkpointing off inside) keep nothing of the
   branches but rebuild one chunk at a time. Logits: the head runs on the supervised tokens only, in
   chunks of ``LOGIT_CHUNK_ELEMENTS // len(tokenizer)`` tokens; one chunk keeps its fp32 log-softmax for
-  the backward, more chunks are checkpointed (``core.nll.supervised_token_nll``). A tied head carries the
-  z rows as peft trainable tokens: each head call merges and keeps a whole (V, H) weight and its backward
-  makes a (V, H) gradient (``token_rows``).
+  the backward, more chunks are checkpointed (``core.nll.supervised_token_nll``). The embedding carries the
+  z rows as peft trainable tokens: each call merges a whole (V, H) weight for its lookup and its backward
+  makes a (V, H) gradient, one at a time (``token_rows``); a tied head overwrites the trained columns of
+  its logits instead (``model.hf_compat.column_corrected_tied_heads``) and keeps no copy.
 - ``reference``: the z-free no-grad forward (adapters off), online per batch, or once before training for
   the precomputed store; a transient (one layer and a logit chunk), it does not add to the train peak.
 - ``comm``: ZeRO-3 on CPU holds the embedding and head and about one layer gathered at once (measured: the
@@ -206,13 +207,11 @@ def activation_bytes(spec: PlanSpec, *, weight_bytes: int | None = None) -> dict
     largest_pass = max(p[0] for p in passes.values()) * rows_at_once // max(R, 1) if rows_at_once < R else max(p[0] for p in passes.values())
     logit_transient = 8 * min(chunk_tokens, max(B * n["N"], rows_at_once * n["N"])) * V
     out["transient"] = rebuild + max(largest_pass * transient_token, logit_transient)
-    if spec.config.get("tie_word_embeddings"):
-        # peft's trainable tokens on a tied head merge a whole (V, H) weight per head call (index_copy) and
-        # F.linear keeps it for the backward, which makes a (V, H) fp32 gradient of it per call: the router
-        # pass and each branch chunk call the head once (one logit chunk each)
-        w = weight_bytes if weight_bytes is not None else c
-        calls = 1 + (1 if not (spec.branch_chunk_size and spec.branch_chunk_size < R) else 0)
-        out["token_rows"] = calls * V * H * w + V * H * 4  # the gradients come one call at a time
+    # peft's trainable tokens on the embedding merge a whole (V, H) weight per call (index_copy), freed after
+    # the lookup, and its backward makes a dense (V, H) gradient of it: one at a time. A tied head keeps
+    # nothing of the kind (hf_compat.column_corrected_tied_heads overwrites the trained columns instead).
+    w = weight_bytes if weight_bytes is not None else c
+    out["token_rows"] = V * H * w
     return out
 
 
