@@ -54,22 +54,22 @@ import torch
 from torch import nn
 
 __all__ = [
-    "column_corrected_tied_heads",
     "TRAINABLE_TOKENS_DELTA",
     "adapter_active",
     "adapter_config",
     "adapter_parameters",
     "adapters_disabled",
     "add_adapter_copy",
-    "copy_adapter",
-    "has_adapter",
     "cache_kwarg",
     "cache_through_checkpointing",
     "checkpointing_layers",
+    "column_corrected_tied_heads",
+    "copy_adapter",
     "disable_dropout",
     "embedding_weight",
     "enable_layer_checkpointing",
     "forward_parameter_names",
+    "has_adapter",
     "layer_checkpointing_active",
     "layer_checkpointing_off",
     "lm_cache_kwarg",
@@ -77,11 +77,11 @@ __all__ = [
     "lora_initial_values",
     "no_split_module_names",
     "position_limit",
+    "recorded_kv",
+    "replay_safe_cache",
     "token_adapter_rows",
     "trainable_token_base_weights",
     "zero3_build_contexts",
-    "recorded_kv",
-    "replay_safe_cache",
 ]
 
 # peft names the trained rows of a trainable-token layer `<layer>.trainable_tokens_delta.<adapter>`.

@@ -274,15 +274,16 @@ def plan_memory(spec: PlanSpec) -> Plan:
     trainable_bytes = weight + bf16_copy + grads + moments
 
     # communication buffers
+    H, L, I, q, kv, V = _dims(spec.config)
+    root = V * H * (1 if spec.config.get("tie_word_embeddings") else 2) + H  # embeddings, final norm, head
+    root_and_two_layers = (root + 2 * (N_base - root) / L) * g
     if stage == 3:
-        H, L, I, q, kv, V = _dims(spec.config)
-        root = V * H * (1 if spec.config.get("tie_word_embeddings") else 2) + H
         if spec.device == "cpu" or spec.step == "first":
             # before DeepSpeed has traced a step, and on CPU throughout (measured over 4 steps, bench/memory_bench.py:
             # zcvae's passes keep invalidating the trace), each module's parameters are released after each
             # forward and backward visit (engines.deepspeed._release_after_each_backward_call): the embedding and
             # head (gathered whole for the trainable-token merge) and about one layer are held at once
-            live = (root + 2 * (N_base - root) / L) * g
+            live = root_and_two_layers
         else:
             # once the trace is stable, DeepSpeed keeps parameters it will reuse within stage3_max_reuse_distance
             # elements, up to stage3_max_live_parameters, plus the prefetched bucket; not measured on a GPU
@@ -297,10 +298,7 @@ def plan_memory(spec: PlanSpec) -> Plan:
     elif stage in (1, 2):
         comm = REDUCE_BUCKET * 4 * (2 if stage == 2 else 1)
     elif spec.engine == "fsdp2":
-        H, L, I, q, kv, V = _dims(spec.config)
-        root = V * H * (1 if spec.config.get("tie_word_embeddings") else 2) + H
-        layer = (N_base - root) / L
-        comm = (root + 2 * layer) * g
+        comm = root_and_two_layers  # the root is not resharded after forward; the current and the prefetched layer
     else:
         comm = DDP_BUCKET_BYTES if W > 1 else 0
     comm = min(comm, N_base * c + 4 * N_train) if stage in (1, 2) else comm
