@@ -239,7 +239,7 @@ def attach_lora(model: nn.Module, config: ModelConfig, *, tokenizer, tokens: Tem
     for p in peft_model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
-    hf_compat.column_corrected_tied_heads(peft_model)  # no (V, H) copy per head call
+    hf_compat.copy_free_token_layers(peft_model)  # no (V, H) copy per embedding or head call
     return peft_model
 
 

@@ -17,8 +17,9 @@ peft
     ``TrainableTokensLayer.base_layer``, the embedding or head whose full weight the layer reads
     without calling it (``trainable_token_base_weights``), and the ``token_adapter`` that peft's
     wrapper puts in the embedding's place (``embedding_weight``). Its ``active_adapters``,
-    ``disable_adapters``, ``merged`` and ``_check_overlapping_tokens``, and a linear path without a
-    bias, which a tied head's layer replaces with a column correction (``column_corrected_tied_heads``).
+    ``disable_adapters``, ``merged``, ``_check_overlapping_tokens`` and ``_get_embed_scale``, its
+    embedding path (``F.embedding`` with the base layer's options, then the scale) and a linear path
+    without a bias, which zcvae replaces with a base read plus a correction (``copy_free_token_layers``).
     ``peft_config[active_adapter]``: the LoRA config a model was built with (``adapter_config``).
     LoRA's initialisation order (``lora_initial_values``): per LoRA layer, in module order,
     ``nn.Linear(in, r)`` then ``nn.Linear(r, out)`` (each drawing its default init), then
@@ -63,8 +64,8 @@ __all__ = [
     "cache_kwarg",
     "cache_through_checkpointing",
     "checkpointing_layers",
-    "column_corrected_tied_heads",
     "copy_adapter",
+    "copy_free_token_layers",
     "disable_dropout",
     "embedding_weight",
     "enable_layer_checkpointing",
@@ -368,34 +369,54 @@ def token_adapter_rows(peft_model: nn.Module) -> list[tuple[nn.Module, str, nn.M
     return out
 
 
-def column_corrected_tied_heads(peft_model: nn.Module) -> int:
-    """Give every trainable-token layer that wraps a linear head (the head of a tied embedding) a forward
-    that computes the base logits and overwrites the trained tokens' columns, instead of peft's, which
-    copies the whole (V, H) weight with the trained rows written in and multiplies by that. The results
-    are the same columns of the same products; what changes is memory: peft's copy is kept for the
-    backward once per head call (one per logit chunk) and its gradient is a dense (V, H) tensor, 90 MiB
-    each in bf16 at SmolLM2-360M's 49k x 960 (BENCHMARKS.md, "Host memory"). Returns how many layers.
+def copy_free_token_layers(peft_model: nn.Module) -> int:
+    """Give every peft trainable-token layer a forward that reads the base weight as it is and corrects
+    the trained tokens afterwards, instead of peft's, which copies the whole (V, H) weight with the
+    trained rows written in and uses that copy. On an embedding: the base lookup, then the trained rows
+    at the positions holding a trained token. On a linear head (a tied embedding's): the base logits,
+    then the trained tokens' columns. Both give peft's outputs and gradients. What changes is memory:
+    peft's merged copy is made per call, a tied head keeps it for the backward once per logit chunk, and
+    its gradient is a dense (V, H) tensor; at SmolLM2-360M's 49k x 960 each is 90 MiB in bf16
+    (BENCHMARKS.md, "Host memory"). Returns how many layers.
 
     Relies on peft's ``TrainableTokensLayer`` (``base_layer``, ``active_adapters``, ``disable_adapters``,
-    ``merged``, ``token_indices``, ``trainable_tokens_delta``, ``_check_overlapping_tokens``) and on its
-    linear path having no bias, as peft's own does not."""
+    ``merged``, ``token_indices``, ``trainable_tokens_delta``, ``_check_overlapping_tokens``,
+    ``_get_embed_scale``), on its embedding path being ``F.embedding`` with the base layer's options
+    then the embed scale, and on its linear path having no bias, as peft's own does not."""
     import types
 
     from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
 
-    layers = [m for m in peft_model.modules() if isinstance(m, TrainableTokensLayer) and isinstance(m.base_layer, nn.Linear)]
-    for layer in layers:
-        layer.forward = types.MethodType(_column_corrected_forward, layer)
-    return len(layers)
+    count = 0
+    for layer in peft_model.modules():
+        if not isinstance(layer, TrainableTokensLayer):
+            continue
+        if isinstance(layer.base_layer, nn.Linear):
+            layer.forward = types.MethodType(_column_corrected_forward, layer)
+        elif isinstance(layer.base_layer, nn.Embedding):
+            layer.forward = types.MethodType(_row_corrected_forward, layer)
+        else:
+            continue  # peft itself refuses other layer types
+        count += 1
+    return count
+
+
+def _adapters_in_use(layer) -> list[str]:
+    """The adapters a trainable-token layer applies in this call, or [] where peft's own forward holds
+    (adapters off, none active, or merged into the base weight)."""
+    active = layer.active_adapters
+    if layer.disable_adapters or not active or layer.merged:
+        return []
+    layer._check_overlapping_tokens(active)
+    return active
 
 
 def _column_corrected_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
 
-    active = self.active_adapters
-    if self.disable_adapters or not active or self.merged:
+    active = _adapters_in_use(self)
+    if not active:
         return TrainableTokensLayer.forward(self, x, *args, **kwargs)
-    self._check_overlapping_tokens(active)
     weight_VH = self.base_layer.weight
     logits = torch.nn.functional.linear(x, weight_VH)
     for adapter in active:  # in order, as peft merges them: a later adapter's rows win
@@ -403,6 +424,29 @@ def _column_corrected_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.T
         columns = torch.nn.functional.linear(x, self.trainable_tokens_delta[adapter].to(weight_VH))
         logits = logits.index_copy(-1, index, columns)
     return logits
+
+
+def _row_corrected_forward(self, ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    active = _adapters_in_use(self)
+    if not active:
+        return TrainableTokensLayer.forward(self, ids, *args, **kwargs)
+    base = self.base_layer
+    weight_VH = base.weight
+    options = dict(padding_idx=base.padding_idx, max_norm=base.max_norm, norm_type=base.norm_type,
+                   scale_grad_by_freq=base.scale_grad_by_freq, sparse=base.sparse)
+    out = torch.nn.functional.embedding(ids, weight_VH, **options)
+    for adapter in active:  # in order, as peft merges them: a later adapter's rows win
+        index_n = torch.tensor(self.token_indices[adapter], device=ids.device)
+        hit = ids.unsqueeze(-1) == index_n  # (..., n): which trained token each position holds, if any
+        slot = hit.int().argmax(-1)
+        rows = torch.nn.functional.embedding(slot, self.trainable_tokens_delta[adapter].to(weight_VH))
+        out = torch.where(hit.any(-1, keepdim=True), rows, out)
+    embed_scale = getattr(self, "_get_embed_scale", lambda: None)()  # peft < 0.18 has no scale, nor applies one
+    if embed_scale is not None:  # as peft: its F.embedding skips a scaled embedding's own forward
+        out = out * embed_scale.to(out.dtype)
+    return out
 
 
 def zero3_build_contexts(zero_init) -> list:

@@ -21,10 +21,9 @@ Terms (bytes per rank), each from the code path it models:
   (``branch_chunk_size``, each checkpointed whole, layer checkpointing off inside) keep nothing of the
   branches but rebuild one chunk at a time. Logits: the head runs on the supervised tokens only, in
   chunks of ``LOGIT_CHUNK_ELEMENTS // len(tokenizer)`` tokens; one chunk keeps its fp32 log-softmax for
-  the backward, more chunks are checkpointed (``core.nll.supervised_token_nll``). The embedding carries the
-  z rows as peft trainable tokens: each call merges a whole (V, H) weight for its lookup and its backward
-  makes a (V, H) gradient, one at a time (``token_rows``); a tied head overwrites the trained columns of
-  its logits instead (``model.hf_compat.column_corrected_tied_heads``) and keeps no copy.
+  the backward, more chunks are checkpointed (``core.nll.supervised_token_nll``). The z rows (peft
+  trainable tokens) cost no (V, H) tensor: the embedding overwrites the trained rows of its lookup and a
+  tied head the trained columns of its logits (``model.hf_compat.copy_free_token_layers``).
 - ``reference``: the z-free no-grad forward (adapters off), online per batch, or once before training for
   the precomputed store; a transient (one layer and a logit chunk), it does not add to the train peak.
 - ``comm``: ZeRO-3 on CPU holds the embedding and head and about one layer gathered at once (measured: the
@@ -165,7 +164,7 @@ def _lengths(spec: PlanSpec) -> dict[str, int]:
     return {"T": x + y + 6, "P": x + 3, "Wy": y + 3, "Wz": y + 5 + M, "S": x + y + 8 + M, "N": y + 1}
 
 
-def activation_bytes(spec: PlanSpec, *, weight_bytes: int | None = None) -> dict[str, int]:
+def activation_bytes(spec: PlanSpec) -> dict[str, int]:
     """Activations of the train forward kept for the backward, and its largest transient (bytes)."""
     H, L, I, q, kv, V = _dims(spec.config)
     c = 2 if spec.precision == "bf16" else 4
@@ -207,11 +206,6 @@ def activation_bytes(spec: PlanSpec, *, weight_bytes: int | None = None) -> dict
     largest_pass = max(p[0] for p in passes.values()) * rows_at_once // max(R, 1) if rows_at_once < R else max(p[0] for p in passes.values())
     logit_transient = 8 * min(chunk_tokens, max(B * n["N"], rows_at_once * n["N"])) * V
     out["transient"] = rebuild + max(largest_pass * transient_token, logit_transient)
-    # peft's trainable tokens on the embedding merge a whole (V, H) weight per call (index_copy), freed after
-    # the lookup, and its backward makes a dense (V, H) gradient of it: one at a time. A tied head keeps
-    # nothing of the kind (hf_compat.column_corrected_tied_heads overwrites the trained columns instead).
-    w = weight_bytes if weight_bytes is not None else c
-    out["token_rows"] = V * H * w
     return out
 
 
@@ -303,7 +297,7 @@ def plan_memory(spec: PlanSpec) -> Plan:
         comm = DDP_BUCKET_BYTES if W > 1 else 0
     comm = min(comm, N_base * c + 4 * N_train) if stage in (1, 2) else comm
 
-    acts = activation_bytes(spec, weight_bytes=g)
+    acts = activation_bytes(spec)
     act_total = sum(acts.values())
     ref = reference_bytes(spec)
     terms = {"frozen": int(frozen), "trainable": int(trainable_bytes), "activations": int(act_total), "reference": int(ref),

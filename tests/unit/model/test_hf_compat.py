@@ -289,51 +289,64 @@ def test_decoder_norms_are_each_layers_two_norms_in_order(tiny_llama):
         hf_compat.decoder_norms(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
-def _tied_peft(tiny_llama, rows: list[int]):
-    lm = tiny_llama(V)
-    lm.config.tie_word_embeddings = True
-    lm.tie_weights()
-    return _peft(lm, trainable_tokens=rows)
+class _VHTensorsMade(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the (V, H) or (H, V) tensors that any op makes in memory of its own (a merged weight, a
+    dense weight gradient), not views of the model's parameters (a transposed head)."""
+
+    def __init__(self, model, shape):
+        super().__init__()
+        self.shape, self.count = sorted(shape), 0
+        self.parameter_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if (isinstance(t, torch.Tensor) and sorted(t.shape) == self.shape
+                    and t.untyped_storage().data_ptr() not in self.parameter_storage):
+                self.count += 1
+        return out
 
 
-def test_the_column_corrected_tied_head_gives_peft_s_logits_and_gradients_without_a_vh_copy(tiny_llama):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_copy_free_token_layers_give_peft_s_logits_and_gradients_without_a_vh_tensor(tiny_llama, tied):
     from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
 
     rows = [3, 5, 11]
     ids = _ids()
+    ids[0, :3] = torch.tensor(rows)  # every trained token in use, one twice
+    ids[1, -1] = rows[0]
+
+    def build():
+        lm = tiny_llama(V)
+        if tied:
+            lm.config.tie_word_embeddings = True
+            lm.tie_weights()
+        return _peft(lm, trainable_tokens=rows)
 
     def run(model):
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        weight = next(m for m in model.modules() if isinstance(m, TrainableTokensLayer)).base_layer.weight
+        with _VHTensorsMade(model, weight.shape) as made:
             logits = model(input_ids=ids).logits
-        (logits.float().square().mean()).backward()
+            (logits.float().square().mean()).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        return logits.detach(), grads, saved
+        return logits.detach(), grads, made.count
 
-    peft_model = _tied_peft(tiny_llama, rows)
-    peft_logits, peft_grads, peft_saved = run(peft_model)
-    model = _tied_peft(tiny_llama, rows)
-    heads = [m for m in model.modules() if isinstance(m, TrainableTokensLayer) and isinstance(m.base_layer, torch.nn.Linear)]
-    assert heads, "peft: a tied head is no longer a TrainableTokensLayer over the linear head"
-    assert hf_compat.column_corrected_tied_heads(model) == len(heads)
-    logits, grads, saved = run(model)
-    peft_head = [m for m in peft_model.modules() if isinstance(m, TrainableTokensLayer) and isinstance(m.base_layer, torch.nn.Linear)]
+    peft_model = build()
+    peft_logits, peft_grads, peft_made = run(peft_model)
+    model = build()
+    layers = [m for m in model.modules() if isinstance(m, TrainableTokensLayer)]
+    kinds = {type(m.base_layer) for m in layers}
+    assert kinds == ({torch.nn.Embedding, torch.nn.Linear} if tied else {torch.nn.Embedding}), \
+        f"peft: the trainable-token layers are no longer over the embedding (and a tied head): {kinds}"
+    assert hf_compat.copy_free_token_layers(model) == len(layers)
+    logits, grads, made = run(model)
     torch.testing.assert_close(logits, peft_logits, rtol=1e-5, atol=1e-6)
     assert grads.keys() == peft_grads.keys() and any("trainable_tokens_delta" in n for n in grads)
     for name, g in peft_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
-    weight = heads[0].base_layer.weight
-
-    def vh_copies(tensors):  # (V, H) or (H, V) tensors kept for the backward that are not the weight's storage
-        return [t for t in tensors if sorted(t.shape) == sorted(weight.shape) and not _same_storage(t, weight)]
-
-    assert [t for t in peft_saved if sorted(t.shape) == sorted(weight.shape) and not _same_storage(t, peft_head[0].base_layer.weight)], "peft's tied head no longer keeps a merged (V, H) weight: the correction may be moot"
-    assert not vh_copies(saved), "the corrected head must keep no (V, H) copy for its backward"
-    with torch.no_grad(), hf_compat.adapters_disabled(model), hf_compat.adapters_disabled(peft_model):  # the base head, as peft's
+    assert peft_made > 0, "peft no longer makes a (V, H) copy or gradient: the correction may be moot"
+    assert made == 0, f"the corrected layers made {made} (V, H) tensors"
+    with torch.no_grad(), hf_compat.adapters_disabled(model), hf_compat.adapters_disabled(peft_model):  # the base, as peft's
         base = model(input_ids=ids).logits
         torch.testing.assert_close(base, peft_model(input_ids=ids).logits)
         assert not torch.allclose(base, logits, atol=1e-3), "the trained rows must change some logits"
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
