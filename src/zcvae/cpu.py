@@ -40,6 +40,13 @@ def flush_denormals() -> bool:
 # glibc's M_MMAP_THRESHOLD (malloc.h): blocks at least this large are mmapped, so freeing returns them to the system
 _M_MMAP_THRESHOLD = -3
 HEAP_MMAP_THRESHOLD = 1 << 20
+# ZeRO-3 and FSDP2 gather each layer's weights into fresh buffers at every visit, many of them under 1 MiB (a
+# SmolLM2-360M k/v projection in bf16: 600 KiB), and the heap those feed grows from step to step. At 128 KiB, world 2
+# on CPU, bf16 base, per rank (BENCHMARKS.md, "Host memory"): ZeRO-3's 1-step peak fell from 1.41-1.46 to 1.30-1.31 GiB
+# and its 4-step peak from 1.73-1.77 to 1.42-1.49 GiB, at the same 16-17 s/step; FSDP2's 4-step peak from 1.24-1.29 to
+# 1.21-1.24 GiB, at 23-24 s/step against 22.5-23. The replicated engines keep 1 MiB: there 128 KiB cost a 135M-shaped
+# local run 30% in step time (4.5-4.9 against 3.4-3.7 s/step), the page faults of its mmapped activations.
+SHARDED_HEAP_MMAP_THRESHOLD = 128 << 10
 # Backbones whose weight files are smaller than this keep glibc's own policy: their host memory is not the limit, and
 # every tensor above 1 MiB coming from mmap costs page faults on each allocation (a tiny backbone's CVAE run, 40
 # steps x 64 on one thread: 13.0 s of system time against 1.4 s, 103 s wall against 71 s). SmolLM2-135M in fp32
@@ -47,9 +54,11 @@ HEAP_MMAP_THRESHOLD = 1 << 20
 HEAP_LIMIT_MIN_WEIGHT_BYTES = 256 << 20
 
 
-def limit_heap_retention(*, weight_bytes: int) -> bool:
+def limit_heap_retention(*, weight_bytes: int, sharded: bool = False) -> int:
     """Keep glibc from holding freed tensor memory in its heap, for a backbone of ``weight_bytes`` of weight files
-    of at least ``HEAP_LIMIT_MIN_WEIGHT_BYTES``; returns whether it applied (glibc only).
+    of at least ``HEAP_LIMIT_MIN_WEIGHT_BYTES``: a fixed mmap threshold of ``HEAP_MMAP_THRESHOLD``, or
+    ``SHARDED_HEAP_MMAP_THRESHOLD`` when an engine shards the parameters (``sharded``) -> the threshold set, or 0
+    where none was (glibc only).
 
     Why: glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB), after which
     tensors of up to that size come from the heap, and a heap fragmented by many of them is never given
@@ -62,12 +71,13 @@ def limit_heap_retention(*, weight_bytes: int) -> bool:
     import sys
 
     if weight_bytes < HEAP_LIMIT_MIN_WEIGHT_BYTES or not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
+        return 0
+    threshold = SHARDED_HEAP_MMAP_THRESHOLD if sharded else HEAP_MMAP_THRESHOLD
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD))
+        return threshold if libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1 else 0
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
+        return 0
 
 
 def _affinity() -> set[int]:

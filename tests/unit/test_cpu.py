@@ -147,15 +147,18 @@ def test_a_bad_start_count_names_the_variable(monkeypatch, bad):
 
 def test_the_heap_is_capped_only_for_a_backbone_whose_host_memory_matters(monkeypatch):
     """A tiny backbone keeps glibc's own heap (mmapped tensors cost page faults on every allocation); a backbone
-    with at least HEAP_LIMIT_MIN_WEIGHT_BYTES of weight files gets the 1 MiB threshold; the user's
-    MALLOC_MMAP_THRESHOLD_ always wins."""
+    with at least HEAP_LIMIT_MIN_WEIGHT_BYTES of weight files gets the 1 MiB threshold, or 128 KiB under an engine
+    that shards the parameters; the user's MALLOC_MMAP_THRESHOLD_ always wins."""
     import sys
 
-    from zcvae.cpu import HEAP_LIMIT_MIN_WEIGHT_BYTES, limit_heap_retention
+    from zcvae.cpu import HEAP_LIMIT_MIN_WEIGHT_BYTES, HEAP_MMAP_THRESHOLD, SHARDED_HEAP_MMAP_THRESHOLD, limit_heap_retention
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    assert limit_heap_retention(weight_bytes=HEAP_LIMIT_MIN_WEIGHT_BYTES - 1) is False
+    assert limit_heap_retention(weight_bytes=HEAP_LIMIT_MIN_WEIGHT_BYTES - 1) == 0
+    assert limit_heap_retention(weight_bytes=HEAP_LIMIT_MIN_WEIGHT_BYTES - 1, sharded=True) == 0
     if sys.platform.startswith("linux"):  # glibc's mallopt answers 1 when it took the setting
-        assert limit_heap_retention(weight_bytes=HEAP_LIMIT_MIN_WEIGHT_BYTES) is True
+        assert limit_heap_retention(weight_bytes=HEAP_LIMIT_MIN_WEIGHT_BYTES, sharded=True) == SHARDED_HEAP_MMAP_THRESHOLD
+        assert limit_heap_retention(weight_bytes=HEAP_LIMIT_MIN_WEIGHT_BYTES) == HEAP_MMAP_THRESHOLD
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    assert limit_heap_retention(weight_bytes=HEAP_LIMIT_MIN_WEIGHT_BYTES) is False
+    assert limit_heap_retention(weight_bytes=HEAP_LIMIT_MIN_WEIGHT_BYTES) == 0
+    assert limit_heap_retention(weight_bytes=HEAP_LIMIT_MIN_WEIGHT_BYTES, sharded=True) == 0

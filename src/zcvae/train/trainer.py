@@ -182,7 +182,7 @@ class _RunData:
 
 def _load_data_and_model(cfg: TrainConfig, *, cpu: dict) -> _RunData:
     """Splits, backbone (marker check before its weights load), model, encoded examples, the KL factor, calibration.
-    ``cpu``: the run's CPU record, which gets ``heap_limit`` (whether glibc's heap is capped for this backbone)."""
+    ``cpu``: the run's CPU record, which gets ``heap_limit`` (glibc's mmap threshold set for this backbone and engine, 0 for none)."""
     from zcvae.engines import sharded_loading
     from zcvae.model.cvae import ZCVAE
     from zcvae.reference.health import check_markers
@@ -193,10 +193,11 @@ def _load_data_and_model(cfg: TrainConfig, *, cpu: dict) -> _RunData:
         logger.info(f"[backbone] {backbone}: {describe_conversion(conversion)}")
     # exits 2 (ValueError) on a backbone without the template markers, before its weights load
     health = check_markers(cfg, backbone)
-    # before the weights load: a large backbone's freed tensors go back to the system (zcvae.cpu.limit_heap_retention)
-    cpu["heap_limit"] = limit_heap_retention(weight_bytes=sum(f.stat().st_size for f in Path(backbone).glob("*.safetensors")))
     # ZeRO-3 and FSDP2 build the model without its weights (each rank later keeps its shard); the others load it whole
     loading = sharded_loading(cfg.engine_config())
+    # before the weights load: a large backbone's freed tensors go back to the system (zcvae.cpu.limit_heap_retention)
+    cpu["heap_limit"] = limit_heap_retention(weight_bytes=sum(f.stat().st_size for f in Path(backbone).glob("*.safetensors")),
+                                             sharded=loading is not None)
     model = ZCVAE.from_pretrained(backbone, cfg.model_config(), seed=cfg.optimization.seed, loading=loading)
     if loading is not None:
         logger.info(f"[backbone] sharded load ({cfg.engine.engine}): weights stream from rank 0 once the engine has sharded the model; "
