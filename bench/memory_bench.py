@@ -128,7 +128,7 @@ def render(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['shape']} | {r['engine']} | {r['world']} | {r['base']} | {max(r['tiny']) / GiB:.2f} | "
                      f"{' / '.join(f'{p / GiB:.2f}' for p in r['peaks'])} | {r['measured'] / GiB:.2f} | {r['predicted'] / GiB:.2f} | "
-                     f"{r['predicted'] / r['measured']:.2f} | {r['measured'] / r['fp32']:.2f}x | {r['predicted'] / r['fp32']:.2f}x |")
+                     f"{r['predicted'] / r['measured']:.2f} | {r['measured'] / r['fp32']:.3f}x | {r['predicted'] / r['fp32']:.2f}x |")
     return "\n".join(lines)
 
 
