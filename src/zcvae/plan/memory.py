@@ -27,7 +27,8 @@ Terms (bytes per rank), each from the code path it models:
 - ``reference``: the z-free no-grad forward (adapters off), online per batch, or once before training for
   the precomputed store; a transient (one layer and a logit chunk), it does not add to the train peak.
 - ``comm``: ZeRO-3 on CPU holds the embedding and head and about one layer gathered at once (measured: the
-  trace never settles, so every module is released after each visit); on a GPU, once the trace has settled,
+  trace never settles, so every module is released after each visit), plus gloo's staging copy of the (V, H)
+  embedding it gathers again at each head call; on a GPU, once the trace has settled,
   up to ``stage3_max_reuse_distance`` (1e9) base elements may stay gathered at compute dtype, plus the
   prefetched bucket (not measured); either way plus its ``reduce_bucket_size`` gradient buffer; ZeRO-1/2 their reduce buckets; FSDP2 the root's parameters (embeddings, final norm, head; the
   root is not resharded after forward) and two decoder layers (the current one and the prefetched one)
@@ -278,6 +279,11 @@ def plan_memory(spec: PlanSpec) -> Plan:
             # forward and backward visit (engines.deepspeed._release_after_each_backward_call): the embedding and
             # head (gathered whole for the trainable-token merge) and about one layer are held at once
             live = root_and_two_layers
+            if spec.device == "cpu" and W > 1:
+                # gloo's all-gather stages its whole output in a buffer of its own before the copy into place
+                # (measured: all_gather_into_tensor of 102 MiB raised the peak RSS by 104 MiB), and ZeRO-3 gathers
+                # the (V, H) embedding again at every head call, with the step's activations alive
+                live += V * H * g
         else:
             # once the trace is stable, DeepSpeed keeps parameters it will reuse within stage3_max_reuse_distance
             # elements, up to stage3_max_live_parameters, plus the prefetched bucket; not measured on a GPU

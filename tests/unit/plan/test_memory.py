@@ -31,4 +31,5 @@ def test_zero3_holds_one_layer_unless_a_settled_trace_keeps_more(device, step, w
     gathered = plan.terms["comm"] - bucket * 2 - 4 * plan.counts["N_train"] / 2
     assert (gathered >= n_base * 2) == whole, plan.terms
     if not whole:
-        assert gathered < 0.3 * n_base * 2  # the embedding and head (15% of SmolLM2-360M) and about one layer
+        # the embedding and head (15% of SmolLM2-360M) and about one layer; on CPU gloo stages a second embedding (13%)
+        assert gathered < (0.45 if device == "cpu" else 0.3) * n_base * 2
