@@ -277,7 +277,7 @@ def plan_memory(spec: PlanSpec) -> Plan:
             # before DeepSpeed has traced a step, and on CPU throughout (measured over 4 steps, bench/memory_bench.py:
             # zcvae's passes keep invalidating the trace), each module's parameters are released after each
             # forward and backward visit (engines.deepspeed._release_after_each_backward_call): the embedding and
-            # head (gathered whole for the trainable-token merge) and about one layer are held at once
+            # head (each gathered whole for its lookup or logits) and about one layer are held at once
             live = root_and_two_layers
             if spec.device == "cpu" and W > 1:
                 # gloo's all-gather stages its whole output in a buffer of its own before the copy into place
