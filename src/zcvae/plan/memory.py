@@ -281,8 +281,9 @@ def plan_memory(spec: PlanSpec) -> Plan:
             live = root_and_two_layers
             if spec.device == "cpu" and W > 1:
                 # gloo's all-gather stages its whole output in a buffer of its own before the copy into place
-                # (measured: all_gather_into_tensor of 102 MiB raised the peak RSS by 104 MiB), and ZeRO-3 gathers
-                # the (V, H) embedding again at every head call, with the step's activations alive
+                # (measured: a 64 MiB all_gather_into_tensor raised the peak RSS by 65.7 MiB;
+                # tests/distributed/test_gloo_gather_staging.py), and ZeRO-3 gathers the (V, H) embedding again
+                # at every head call, with the step's activations alive
                 live += V * H * g
         else:
             # once the trace is stable, DeepSpeed keeps parameters it will reuse within stage3_max_reuse_distance
