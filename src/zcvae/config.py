@@ -616,35 +616,23 @@ def validate(config: TrainConfig) -> None:
                          f"probe a run with --engine local, or set grad_probe_every 0")
 
 
-def _type_ok(value: Any, tp: Any) -> bool:
-    """Whether ``value`` (as YAML/JSON gives it) fits the annotation ``tp``: an int fits a float, None an
-    Optional, a list of str a ``list[str]``; a bool is not an int."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in args)
-    if tp is type(None):
-        return value is None
-    if origin is list:
-        return isinstance(value, list) and all(_type_ok(v, args[0]) for v in value)
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, tp)
-
-
 def check_types(cls, values: dict[str, Any], *, source: str = "config") -> None:
-    """ValueError naming the field when a value's type does not fit the field's annotation
-    (``max_steps: "two"`` in a YAML file would otherwise fail deep inside training)."""
+    """ValueError naming the field when a value's type does not fit the field's annotation (``max_steps: "two"``
+    in a YAML file would otherwise fail deep inside training). pydantic judges, in strict mode, as YAML/JSON give
+    values: an int fits a float, None an Optional, a list of str a ``list[str]``; a bool is not an int, "3" not a
+    number."""
+    from pydantic import TypeAdapter, ValidationError
+
     hints = ({k: v for s in SECTIONS.values() for k, v in typing.get_type_hints(s).items()} if cls is TrainConfig
              else typing.get_type_hints(cls))
     for name, value in values.items():
-        tp = hints.get(name)
-        if tp is not None and not _type_ok(value, tp):
-            want = str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            raise ValueError(f"{source}: {name} must be of type {want}, got {value!r} ({type(value).__name__})")
+        if name not in hints:
+            continue
+        try:
+            TypeAdapter(hints[name]).validate_python(value, strict=True)
+        except ValidationError:
+            want = str(hints[name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            raise ValueError(f"{source}: {name} must be of type {want}, got {value!r} ({type(value).__name__})") from None
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
