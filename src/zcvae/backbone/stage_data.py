@@ -186,14 +186,8 @@ class SpanNLLObjective:
         self.num_tokens += float(mask_BT.sum())
         return MicroLoss(loss=loss, terms=terms, tokens=float(mask_BT.sum()))
 
-    def end_step(self, done: int) -> None:
-        pass
-
-    def window_metrics(self) -> dict[str, float]:
+    def end_step(self, done: int) -> dict[str, float]:
         return {}
 
-    def state_dict(self) -> dict:
-        return {}  # a pure function of (seed, step): nothing to keep besides the weights
-
-    def state_tensors(self) -> dict:
-        return {}
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        return {}, {}  # a pure function of (seed, step): nothing to keep besides the weights

@@ -16,8 +16,7 @@ What one optimizer step does, for any objective and any engine:
 
 What differs between the CVAE and the entangled stage is the :class:`Objective`: how a micro-batch
 is built from example indices and what its loss is (``begin_step``, ``micro_loss``), what it does after
-the step and logs with the window (``end_step``, ``window_metrics``), and what a checkpoint keeps of it
-(``state_dict``). The loop never branches on the engine type nor on the objective.
+the step and logs with the window (``end_step``), and what a checkpoint keeps of it (``checkpoint_state``). The loop never branches on the engine type nor on the objective.
 """
 
 from __future__ import annotations
@@ -82,7 +81,8 @@ class MicroLoss:
 
 class Objective(Protocol):
     """What the loop asks of a training objective (see ``train.trainer.CVAEObjective`` and
-    ``backbone.stage_data.SpanNLLObjective``)."""
+    ``backbone.stage_data.SpanNLLObjective``): the step's batches, a micro-batch's loss, what follows the
+    optimizer step, and what a checkpoint keeps of it."""
 
     def begin_step(self, step: int, micro: list[list[int]], positions: list[list[int]]) -> tuple[list[Any], list[float]]:
         """Start step ``step`` (0-based): this rank's micro-batches on the device, and their [valid examples,
@@ -94,17 +94,13 @@ class Objective(Protocol):
         """One micro-batch's forward and loss; ``micro``: its example indices, ``num_micro``: this rank's
         micro-batches in the step, ``global_count``/``global_tokens``: the step's counts over all ranks."""
 
-    def end_step(self, done: int) -> None:
-        """After the optimizer step of ``done`` steps (logging, checks of the objective's own)."""
+    def end_step(self, done: int) -> dict[str, float]:
+        """After the optimizer step of ``done`` steps: the objective's own work (logging, checks), and its values
+        as of this step, logged with the window that this step ends, if it ends one (the same on every rank)."""
 
-    def window_metrics(self) -> dict[str, float]:
-        """Values of the objective logged with each window (the same on every rank)."""
-
-    def state_dict(self) -> dict:
-        """What the checkpoint keeps of the objective besides the weights (plain types; {} for none)."""
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Tensors the checkpoint keeps of the objective besides the trained weights (the same on every rank; {} for none)."""
+    def checkpoint_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What a checkpoint keeps of the objective besides the trained weights: plain values (JSON) and tensors
+        (the same on every rank); ({}, {}) for none."""
 
 
 def run_loop(
@@ -134,6 +130,11 @@ def run_loop(
     """
     s = settings
     rank, world_size, device = engine.rank, engine.world_size, engine.device
+
+    def save(done: int) -> None:
+        state, tensors = objective.checkpoint_state()
+        checkpoints.save(engine, step=done, **checkpoint_state, trainer_state=state, trainer_tensors=tensors)
+
     global_batch = s.micro_batch_size * s.gradient_accumulation_steps * world_size
     progress = progress_bar(s, start_step, enabled=rank == 0)
     guard = StepGuard(skip_budget=s.skip_nonfinite_steps, signals=signals)
@@ -166,12 +167,12 @@ def run_loop(
         progress.update(1)
 
         done = step + 1
-        objective.end_step(done)
+        objective_metrics = objective.end_step(done)
         if done % s.log_every == 0 or done == s.max_steps:
             metrics = window.reduce()
             elapsed = time.perf_counter() - window_start
             tokens = float(engine.all_reduce(torch.tensor(window_tokens, dtype=torch.float64)))
-            metrics.update(objective.window_metrics())
+            metrics.update(objective_metrics)
             metrics["tokens_per_second"] = tokens / max(elapsed, 1e-9)
             if cpu_threads is not None:
                 metrics["num_threads"] = torch.get_num_threads()  # the window's count; the next window's follows the free cores
@@ -195,8 +196,7 @@ def run_loop(
         stop = (verdict == "stop" or stopped_in_eval is not None) and done != s.max_steps  # preempted: save here, then end
         if (s.save_every and done % s.save_every == 0 and done != s.max_steps) or stop:
             check_finite_weights(engine, step=done)
-            checkpoints.save(engine, step=done, **checkpoint_state, trainer_state=objective.state_dict(),
-                             trainer_tensors=objective.state_tensors())
+            save(done)
         if stop:
             progress.close()
             run_logger.close()
@@ -207,6 +207,5 @@ def run_loop(
 
     check_finite_weights(engine, step=s.max_steps)
     final = evaluate(s.max_steps)
-    checkpoints.save(engine, step=s.max_steps, **checkpoint_state, trainer_state=objective.state_dict(),
-                     trainer_tensors=objective.state_tensors())
+    save(s.max_steps)
     return final

@@ -377,7 +377,7 @@ class CVAEObjective:
                                   kl=terms["kl"].sum() / global_count, examples=[self.train[i] for i in micro])
         return MicroLoss(loss=loss, terms=terms, tokens=float(batch.num_supervised.sum()), scalars=router)
 
-    def end_step(self, done: int) -> None:
+    def end_step(self, done: int) -> dict[str, float]:
         if self.refresh_every and done % self.refresh_every == 0:
             # after the step, before its evaluation and checkpoint: steps done+1 .. done+N read this copy
             self.model.refresh_reference()
@@ -389,13 +389,12 @@ class CVAEObjective:
             self.run_logger.log(KL_DELAY_SPLIT, done, self.delay.record())
             if ended is not None and self.eval_at is not None:
                 self.eval_at.add(done)  # the delay-end evaluation and its [kl] line (_run_loop.run_eval)
+        return {"kl_weight": self.beta, "c_base": self.reference.c_base.value}  # beta: this step's
 
-    def state_dict(self) -> dict:
-        return {"kl_delay": self.delay.state_dict()} if self.delay.evidence else {}
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def checkpoint_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        state = {"kl_delay": self.delay.state_dict()} if self.delay.evidence else {}
         # the reference's copy is frozen, so no engine state holds it; it is the adapter of the last refresh, not the current one
-        return self.model.reference_state() if self.refresh_every else {}
+        return state, self.model.reference_state() if self.refresh_every else {}
 
     def load_state_dict(self, state: dict | None, *, tensors: dict | None = None) -> None:
         if self.delay.evidence:
@@ -410,9 +409,6 @@ class CVAEObjective:
     def delay_metrics(self) -> dict[str, float]:
         """The delay's end for the final metrics and the verdict (``kl_delay/ended_at``, ``kl_delay/ended_by_read``)."""
         return {f"{KL_DELAY_SPLIT}/{k}": v for k, v in self.delay.record().items()} if self.delay.evidence else {}
-
-    def window_metrics(self) -> dict[str, float]:
-        return {"kl_weight": self.beta, "c_base": self.reference.c_base.value}
 
 
 def check_limits(cfg: TrainConfig, model, *, backbone) -> None:

@@ -52,15 +52,10 @@ class ToyObjective:
 
     def end_step(self, done):
         self.calls.append(("end_step", done))
+        return {"toy": float(done)}
 
-    def window_metrics(self):
-        return {"toy": 1.0}
-
-    def state_dict(self):
-        return {"calls": len(self.calls)}
-
-    def state_tensors(self):
-        return {}
+    def checkpoint_state(self):
+        return {"calls": len(self.calls)}, {}
 
 
 class Recorder:
@@ -94,5 +89,5 @@ def test_the_loop_asks_the_objective_in_step_order_and_routes_what_it_returns():
     assert torch.equal(engine.reduced[0], torch.tensor([4.0, 8.0]))
     assert objective.calls[1] == ("micro_loss", micro[0], 2, 4.0, 8.0) and objective.calls[2][1] == micro[1]
     [(split, logged_step, metrics)] = [r for r in sink.logged if r[0] == "train"]
-    assert logged_step == 2 and metrics["rows"] == 2.0 and metrics["toy"] == 1.0  # MicroLoss.scalars, window_metrics
+    assert logged_step == 2 and metrics["rows"] == 2.0 and metrics["toy"] == 2.0  # MicroLoss.scalars, and end_step's values of the window's last step
     assert sink.saved == [(2, {"calls": 8})]  # the objective's state goes into the final checkpoint
