@@ -20,6 +20,7 @@ from zcvae.eval.verdict import (
     delay_end_note,
     SUGGESTED_PRESET,
     MIN_DISTINCT_OUTPUTS,
+    MIN_STRATEGY_OUTPUTS,
     MIN_MI_FRACTION,
     VERDICT,
     gold_collapsed,
@@ -144,13 +145,24 @@ def test_decoder_that_ignores_z_counts_as_collapsed_even_when_q_separates():
     assert judge(older, _config())["status"] == "in use"
 
 
-def test_distinct_outputs_threshold_is_a_fraction_of_x():
+def test_distinct_outputs_thresholds_are_fractions_of_x():
     rows = [("fwd", _sharp(0, 2))] * 10 + [("rev", _sharp(1, 2))] * 10
-    # z changes the output of 1 x in 20 (5%): at the threshold, not below it
-    metrics = _run_metrics(rows, num_latents=2, labelled=False,
-                           outputs=lambda i, k: [200 + k, 7] if i == 0 else [300 + i, 7])
-    assert metrics["control/distinct_outputs"] == pytest.approx(MIN_DISTINCT_OUTPUTS)
-    assert judge(metrics, _config())["status"] == "in use"
+
+    def changed_on(n):  # z changes the output of the first n of the 20 x
+        return _run_metrics(rows, num_latents=2, labelled=False, outputs=lambda i, k: [200 + k, 7] if i < n else [300 + i, 7])
+
+    # 1 x in 20 (5%): at the bar of a decoder that ignores z, not below it; but z steers y on too few x for strategies
+    at_ignore_bar = changed_on(1)
+    assert at_ignore_bar["control/distinct_outputs"] == pytest.approx(MIN_DISTINCT_OUTPUTS)
+    verdict = judge(at_ignore_bar, _config())
+    assert verdict["status"] == "collapsed" and "ignores z" not in verdict["reasons"][0]
+    assert "only 5.0% of x (< 67%): z steers a part of y" in verdict["reasons"][0]
+    # half the x (add and search at 300 steps decoded 46-54% apart): collapsed, with the collapse's next step
+    half = judge(changed_on(10), _config())
+    assert half["status"] == "collapsed" and "only 50% of x" in half["reasons"][0] and half["next_step"] is not None
+    # from two thirds of x on (14 of 20 = 70%), z is in use
+    assert changed_on(14)["control/distinct_outputs"] >= MIN_STRATEGY_OUTPUTS > changed_on(13)["control/distinct_outputs"]
+    assert judge(changed_on(14), _config())["status"] == "in use" and judge(changed_on(13), _config())["status"] == "collapsed"
 
 
 def test_k1_and_missing_metrics():
