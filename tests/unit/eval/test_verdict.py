@@ -310,6 +310,10 @@ def test_delay_end_note_warns_when_q_separates_but_the_decoder_does_not_read_z()
     # just under the bar: never printed as the bar itself
     almost = delay_end_note({**unread, "control/distinct_outputs": 0.049}, recipe, step=181)
     assert "differs across z on 4.9% of x (< 5%)" in almost
+    # read on some x only (add at step 181: about half): the two-thirds bar's warning, with the same advice
+    partly = delay_end_note({**unread, "control/distinct_outputs": 0.5}, recipe, step=181)
+    assert "differs across z on 50% of x (< 67%). The decoder reads z on some x only" in partly and "--max-steps 900" in partly
+    assert delay_end_note({**unread, "control/distinct_outputs": 0.7}, recipe, step=181).endswith("differs across z on 70% of x")
     # the raw control's dilution is not a matter of steps: the line points to the default, as its verdict does
     raw = delay_end_note(unread, _config(objective="raw"), step=91)
     assert DEFAULT_OBJECTIVE in raw and "--max-steps" not in raw
