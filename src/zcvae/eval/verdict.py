@@ -340,7 +340,7 @@ def delay_end_note(metrics: Mapping[str, Any], config: Mapping[str, Any], *, ste
         return line
     if distinct >= MIN_DISTINCT_OUTPUTS:
         # at the delay's end of the 300-step default (2026-12-07): 14 add and search runs below the bar, 13 collapsed by
-        # the end; the 22 runs of the other families that stayed in use were all at 100%
+        # the end; the 24 runs of the other families (mul, sort3, copy, sort, the user families) were all at 100%
         return (f"{line} (< {MIN_STRATEGY_OUTPUTS:.0%}). The decoder reads z on some x only: z steers a part of y, not how y is "
                 f"produced, and the KL will likely collapse q. If it does: {verdict['next_step']}")
     return (f"{line} (< {MIN_DISTINCT_OUTPUTS:.0%}). q carries information but the decoder does not read z yet, so the KL "

@@ -16,7 +16,8 @@ What one optimizer step does, for any objective and any engine:
 
 What differs between the CVAE and the entangled stage is the :class:`Objective`: how a micro-batch
 is built from example indices and what its loss is (``begin_step``, ``micro_loss``), what it does after
-the step and logs with the window (``end_step``), and what a checkpoint keeps of it (``checkpoint_state``). The loop never branches on the engine type nor on the objective.
+the step and logs with the window (``end_step``), and what a checkpoint keeps of it (``checkpoint_state``).
+The loop never branches on the engine type nor on the objective.
 """
 
 from __future__ import annotations
