@@ -17,7 +17,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["START_THREADS_ENV", "CoreFollower", "busy_cpu_cores", "cpu_threads", "flush_denormals", "free_cpu_cores",
-           "limit_heap_retention"]
+           "limit_heap_retention", "release_file_pages"]
 
 
 def flush_denormals() -> bool:
@@ -78,6 +78,54 @@ def limit_heap_retention(*, weight_bytes: int, sharded: bool = False) -> int:
         return threshold if libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1 else 0
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return 0
+
+
+_MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
+
+
+def _file_mapping_of(start: int, end: int) -> str | None:
+    """The path of the file mapping of this process that holds [start, end), if one does (Linux's /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(a, 16) for a in fields[0].split("-"))
+                if lo <= start and end <= hi:
+                    path = fields[5].strip() if len(fields) == 6 else ""
+                    return path if path.startswith("/") and "(deleted)" not in path else None
+    except OSError:
+        return None
+    return None
+
+
+def release_file_pages(tensor: torch.Tensor) -> int:
+    """Give back the resident pages of a weight the caller has dropped, when it sits in a file mapping -> bytes
+    released (0 where it does not, or not on Linux).
+
+    Why: transformers keeps a checkpoint's weights memory-mapped when they load in the file's dtype, and every
+    tensor is a view of one mapping of the whole file. Resizing the embedding copies its rows into a new tensor;
+    the old one's pages, read by that copy, stay resident as long as any weight of the file is alive, i.e. for
+    the whole run: 90 MiB of a SmolLM2-360M run's bf16 base (BENCHMARKS.md, "Host memory"). The pages are clean
+    file pages, so dropping them loses nothing: a later read would fault them in again from the file. Only
+    whole pages inside the tensor are dropped, so its neighbours in the file keep theirs."""
+    import ctypes
+    import ctypes.util
+    import mmap
+    import sys
+
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu" or tensor.numel() == 0:
+        return 0
+    page = mmap.PAGESIZE
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    if end <= start or _file_mapping_of(start, end) is None:
+        return 0
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.madvise(start, end - start, _MADV_DONTNEED) != 0:
+        logger.debug("cpu: madvise failed (errno %d); the dropped weight's pages stay resident", ctypes.get_errno())
+        return 0
+    return end - start
 
 
 def _affinity() -> set[int]:

@@ -14,6 +14,7 @@ import os
 import torch
 from torch import nn
 
+from zcvae import cpu
 from zcvae.core.latent import DiscreteRouter, GaussianRouter, SoftPromptProjection
 from zcvae.model import hf_compat
 from zcvae.model.config import ModelConfig, default_lora_targets
@@ -100,7 +101,13 @@ def resize_and_init_rows(model: nn.Module, tokenizer, *, tokens: TemplateTokens,
     added = added_rows(tokenizer, vocab_before)
     old_rows = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > old_rows:
+        # detached: the resize may hand the old Parameter objects the new rows
+        dropped = [w.detach() for w in (model.get_input_embeddings().weight, getattr(model.get_output_embeddings(), "weight", None))
+                   if w is not None]
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        kept = {p.data_ptr() for p in model.parameters()}
+        for weight in {id(w): w for w in dropped if w.data_ptr() not in kept}.values():
+            cpu.release_file_pages(weight)  # a memory-mapped checkpoint keeps the old rows resident otherwise
     return init_new_rows(
         model, tokens=tokens, added=added, old_rows=old_rows, had_znull=ZNULL in vocab_before, noise=noise, generator=generator
     )
