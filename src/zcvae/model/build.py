@@ -247,6 +247,7 @@ def attach_lora(model: nn.Module, config: ModelConfig, *, tokenizer, tokens: Tem
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
     hf_compat.copy_free_token_layers(peft_model)  # no (V, H) copy per embedding or head call
+    hf_compat.share_lora_input_casts(peft_model)  # one float32 copy of an input that q, k and v share
     return peft_model
 
 

@@ -401,6 +401,53 @@ def copy_free_token_layers(peft_model: nn.Module) -> int:
     return count
 
 
+class _SharedInputCast:
+    """peft's ``_cast_input_dtype`` for every LoRA layer of one model, with one cast kept for the next layer.
+
+    peft casts a LoRA layer's input to its adapter's dtype once per layer. q, k and v read the same
+    hidden state, so with a bf16 base and float32 adapters a step saved three float32 copies of it for the
+    backward where one does (at SmolLM2-360M, 1 step at B = 1: 56 of the step's 127 MiB of saved activations
+    were these copies; BENCHMARKS.md, "Host memory"). Where no cast is needed (a float32 base, or bf16
+    adapters under DeepSpeed and FSDP2) nothing changes. The cast is the same value either way; the gradient
+    reaching the hidden state is the float32 sum of the layers' gradients, rounded to its dtype once instead
+    of each in turn. Both references are weak: a cast outlives its input's layer only while autograd has
+    saved it, so no activation is kept longer than it was."""
+
+    def __init__(self) -> None:
+        self._last: tuple | None = None  # (weakref to the input, its version, dtype, grad mode, weakref to the cast)
+
+    def __call__(self, layer: nn.Module, x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        import weakref
+
+        if x is None or x.dtype == dtype or not getattr(layer, "cast_input_dtype_enabled", True):
+            return x
+        key = (x._version, dtype, torch.is_grad_enabled())
+        if self._last is not None and self._last[0]() is x and self._last[1:4] == key:
+            cast = self._last[4]()
+            if cast is not None:
+                return cast
+        cast = x.to(dtype=dtype)
+        self._last = (weakref.ref(x), *key, weakref.ref(cast))
+        return cast
+
+
+def share_lora_input_casts(peft_model: nn.Module) -> int:
+    """Give every LoRA layer of ``peft_model`` one shared input cast (``_SharedInputCast``) -> how many layers.
+
+    Relies on peft's LoRA layers casting their input through ``BaseTunerLayer._cast_input_dtype(x, dtype)``
+    (peft 0.15+), an instance attribute of that name taking precedence over the method."""
+    import functools
+
+    from peft.tuners.lora import LoraLayer
+
+    shared, count = _SharedInputCast(), 0
+    for layer in peft_model.modules():
+        if isinstance(layer, LoraLayer):
+            layer._cast_input_dtype = functools.partial(shared, layer)
+            count += 1
+    return count
+
+
 def _adapters_in_use(layer) -> list[str]:
     """The adapters a trainable-token layer applies in this call, or [] where peft's own forward holds
     (adapters off, none active, or merged into the base weight)."""

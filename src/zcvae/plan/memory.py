@@ -203,7 +203,7 @@ def activation_bytes(spec: PlanSpec) -> dict[str, int]:
     else:
         out["branches"] += logits_kept(R * n["N"])
         tokens = passes["branches"][0]
-        rebuild = (tokens // L if False else tokens) * per_token_layer if spec.gradient_checkpointing else 0  # one layer rebuilt
+        rebuild = tokens * per_token_layer if spec.gradient_checkpointing else 0  # one layer rebuilt
     largest_pass = max(p[0] for p in passes.values()) * rows_at_once // max(R, 1) if rows_at_once < R else max(p[0] for p in passes.values())
     logit_transient = 8 * min(chunk_tokens, max(B * n["N"], rows_at_once * n["N"])) * V
     out["transient"] = rebuild + max(largest_pass * transient_token, logit_transient)

@@ -350,3 +350,58 @@ def test_copy_free_token_layers_give_peft_s_logits_and_gradients_without_a_vh_te
         base = model(input_ids=ids).logits
         torch.testing.assert_close(base, peft_model(input_ids=ids).logits)
         assert not torch.allclose(base, logits, atol=1e-3), "the trained rows must change some logits"
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while ``fn()`` runs (parameters excluded)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if not (t.is_leaf and t.requires_grad):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def _lora_model(tiny_llama, dtype):
+    from peft import LoraConfig, get_peft_model
+
+    lm = tiny_llama(V, hidden_size=64, num_heads=4).to(dtype)
+    model = get_peft_model(lm, LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = (p.float() + 0.5 * torch.randn(p.shape, generator=g))  # float32 adapters, moved off a no-op
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-base", "fp32-base"])
+def test_shared_lora_input_casts_save_one_copy_for_q_k_v_and_change_no_value(tiny_llama, dtype):
+    import copy
+
+    ids = _ids(B=2, T=9)
+    peft_own = _lora_model(tiny_llama, dtype)
+    shared = copy.deepcopy(peft_own)
+    assert hf_compat.share_lora_input_casts(shared) == 2 * 4, "peft: the LoRA layers are no longer peft.tuners.lora.LoraLayer"
+    runs = []
+    for model in (peft_own, shared):
+        logits, saved = _saved_bytes(lambda m=model: m(input_ids=ids).logits.float())
+        logits.square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        runs.append((logits.detach(), saved, grads))
+    (own_logits, own_saved, own_grads), (logits, saved, grads) = runs
+    assert torch.equal(logits, own_logits), "the shared cast must be the same value as peft's own"
+    tokens, H, L = ids.numel(), 64, 2
+    if dtype == torch.float32:  # no cast at all: the same graph
+        assert saved == own_saved and all(torch.equal(grads[n], own_grads[n]) for n in grads)
+        return
+    # q, k and v read one float32 copy of their input instead of three: two H-wide float32 copies fewer per layer
+    assert own_saved - saved == L * 2 * tokens * H * 4, (
+        "peft: LoRA layers no longer cast their input through BaseTunerLayer._cast_input_dtype, or not once each")
+    # the hidden state's gradient is summed in float32 before its one rounding to bf16: bf16-close, not equal
+    for n in grads:
+        torch.testing.assert_close(grads[n], own_grads[n], rtol=2e-2, atol=2e-2 * own_grads[n].abs().max().item())
