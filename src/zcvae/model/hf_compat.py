@@ -21,6 +21,8 @@ peft
     embedding path (``F.embedding`` with the base layer's options, then the scale) and a linear path
     without a bias, which zcvae replaces with a base read plus a correction (``copy_free_token_layers``).
     ``peft_config[active_adapter]``: the LoRA config a model was built with (``adapter_config``).
+    ``LoraLayer`` casting its input through ``BaseTunerLayer._cast_input_dtype(x, dtype)`` once per layer
+    (peft 0.15+), which zcvae shares between the layers that read one hidden state (``share_lora_input_casts``).
     LoRA's initialisation order (``lora_initial_values``): per LoRA layer, in module order,
     ``nn.Linear(in, r)`` then ``nn.Linear(r, out)`` (each drawing its default init), then
     ``kaiming_uniform_(A, a=sqrt(5))`` and zeros for B, the adapters cast through the base weight's
