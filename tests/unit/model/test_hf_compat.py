@@ -405,3 +405,28 @@ def test_shared_lora_input_casts_save_one_copy_for_q_k_v_and_change_no_value(tin
     # the hidden state's gradient is summed in float32 before its one rounding to bf16: bf16-close, not equal
     for n in grads:
         torch.testing.assert_close(grads[n], own_grads[n], rtol=2e-2, atol=2e-2 * own_grads[n].abs().max().item())
+
+
+def test_under_autocast_a_lora_layer_reads_its_bf16_input_as_it_is(tiny_llama):
+    """The local engine's bf16 precision with a bf16 base: peft cast the input to float32 and autocast cast it back
+    to bf16, saving one bf16 copy per LoRA layer; without the cast the layers save none, with the same logits."""
+    import copy
+
+    ids = _ids(B=2, T=9)
+    peft_own = _lora_model(tiny_llama, torch.bfloat16)
+    shared = copy.deepcopy(peft_own)
+    hf_compat.share_lora_input_casts(shared)
+    runs = []
+    for model in (peft_own, shared):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, saved = _saved_bytes(lambda m=model: m(input_ids=ids).logits.float())
+        logits.square().mean().backward()
+        runs.append((logits.detach(), saved, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    (own_logits, own_saved, own_grads), (logits, saved, grads) = runs
+    assert torch.equal(logits, own_logits)
+    tokens, H, L = ids.numel(), 64, 2
+    # q, k, v and o each saved a bf16 copy of its input; now each saves its input itself, which for q, k and v is
+    # one tensor (measured: three copies fewer per layer; at least the two that sharing must remove)
+    assert own_saved - saved >= L * 2 * tokens * H * 2, (own_saved, saved)
+    for n in grads:
+        torch.testing.assert_close(grads[n], own_grads[n], rtol=2e-2, atol=2e-2 * own_grads[n].abs().max().item())
