@@ -5,7 +5,7 @@
 
 A run directory is a directory below a root that holds ``run_config.json`` and an evaluation in
 ``metrics.jsonl``. For each, the verdict is recomputed from its final evaluation (the records of the
-last eval step, read as ``zcvae aggregate`` reads them) and its config by ``zcvae.eval.verdict.judge``;
+last eval step, read as ``zcvae aggregate`` reads them) and its config by ``zcvae.eval.verdict.verdict_of``;
 ``verdict.json`` is not read, so runs from before the verdict count too, and a change of the thresholds
 is checked on every run at once. The verdict's label-free call (collapsed or not) is compared with the
 gold call, NMI < ``GOLD_COLLAPSED_NMI`` (0.1). A verdict of ``unknown`` counts as a disagreement; runs
@@ -37,7 +37,7 @@ def run_dirs(roots: list[str]) -> list[Path]:
 def check(directories: list[Path]) -> tuple[list[dict], int, int]:
     """(one row per run, runs that agree, runs with a gold NMI)."""
     from zcvae.commands.aggregate import RunLoadError, load_run
-    from zcvae.eval.verdict import gold_collapsed, judge
+    from zcvae.eval.verdict import gold_collapsed, verdict_of
 
     rows, agree, judged = [], 0, 0
     for directory in directories:
@@ -51,7 +51,7 @@ def check(directories: list[Path]) -> tuple[list[dict], int, int]:
         if not summary.final_eval:
             rows.append({**row, "verdict": "no evaluation"})
             continue
-        verdict = judge(summary.final_eval, summary.config, step=summary.final_eval_step)
+        verdict = verdict_of(summary.final_eval, summary.config, step=summary.final_eval_step)
         gold = gold_collapsed(summary.final_eval)
         row.update(nmi=summary.final_eval.get("nmi"), mi_fraction=verdict["information"].get("mi_fraction"),
                    distinct=verdict["decoding"]["distinct_outputs"], verdict=verdict["verdict"])

@@ -29,7 +29,7 @@ from typing import Any
 
 from zcvae.config import aggregation_label, token_weighting_confounds
 from zcvae.core.terms import RECONSTRUCTION_TERM_REGISTRY
-from zcvae.eval.verdict import judge, read_verdict
+from zcvae.eval.verdict import read_verdict, verdict_of
 from zcvae.runs.rundir import flat_config
 
 __all__ = [
@@ -172,7 +172,7 @@ def load_run(run_dir: str | os.PathLike) -> RunSummary:
     if written is not None:
         verdict = written["verdict"]
     else:  # a run from before verdict.json: the same judgement of its final evaluation
-        verdict = judge(final_eval, run_config["config"])["verdict"] if final_eval else None
+        verdict = verdict_of(final_eval, run_config["config"])["verdict"] if final_eval else None
     return RunSummary(
         run_dir=run_dir,
         config=dict(run_config["config"]),

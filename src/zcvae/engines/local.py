@@ -44,9 +44,12 @@ class _Autocast(nn.Module):
             return self.inner(*args, **kwargs)
 
 
+# DDP's communication hook: sum the bucket over ranks (a sum, not DDP's mean: the engines' gradients are the exact
+# sum of the passed losses) on a step's last micro-batch, and keep this rank's gradients as they are on the others.
+# DDP's no_sync() would have to wrap the forward, but the engine learns whether to sync only at backward(sync=...).
 # No annotations: DDP checks them by identity, which the postponed (string) annotations of this
 # module would fail.
-def _sum_or_hold_hook(engine, bucket):
+def _all_reduce_or_keep_local(engine, bucket):
     buffer = bucket.buffer()
     if not engine._sync_grads:
         held = torch.futures.Future()
@@ -71,7 +74,7 @@ class LocalEngine(EngineBase):
                 find_unused_parameters=True,
                 broadcast_buffers=False,
             )
-            module.register_comm_hook(self, _sum_or_hold_hook)
+            module.register_comm_hook(self, _all_reduce_or_keep_local)
         if config.precision == "bf16":
             module = _Autocast(module, info.device.type)
         super().__init__(info, model=model, module=module, num_groups=len(named_groups))

@@ -1,6 +1,6 @@
 """The end-of-run verdict: did z do anything, and what to try next, without gold labels.
 
-    verdict = judge(metrics, config, step=300, source="train")   # metrics: evaluate()'s flat dict
+    verdict = verdict_of(metrics, config, step=300, source="train")   # metrics: evaluate()'s flat dict
     report_verdict(run_dir, metrics, config, step=300, source="train")  # + verdict.json + its lines logged
 
 `zcvae train` and `zcvae evaluate` end with it (``verdict.json``, ``zcvae.runs.rundir.VERDICT``),
@@ -57,7 +57,7 @@ __all__ = [
     "delay_end_note",
     "gold_collapsed",
     "gold_structure",
-    "judge",
+    "verdict_of",
     "read_verdict",
     "report_verdict",
     "verdict_lines",
@@ -322,12 +322,12 @@ def delay_end_note(metrics: Mapping[str, Any], config: Mapping[str, Any], *, ste
     None for a Gaussian latent (no per-latent decodes), K = 1, or an evaluation without MI.
 
     Until then beta is 0 and q may separate the data freely; from then on the KL prices every nat of q. The line is
-    the label-free part of :func:`judge` on that evaluation. When q carries information (MI >= MIN_MI_FRACTION x
+    the label-free part of :func:`verdict_of` on that evaluation. When q carries information (MI >= MIN_MI_FRACTION x
     log K) but decoding differs across z on fewer than MIN_DISTINCT_OUTPUTS of x, the decoder has not learned to read
     z yet; on fewer than MIN_STRATEGY_OUTPUTS of x, z steers a part of y only. Either way the KL will likely collapse q,
     as on add and search at 300 steps (docs/results/default.md): the line says so, with the verdict's next step for a
     collapse (for the default, a fresh run 3x longer)."""
-    verdict = judge(metrics, config)
+    verdict = verdict_of(metrics, config)
     information, distinct = verdict["information"], verdict["decoding"]["distinct_outputs"]
     fraction = information.get("mi_fraction")
     if verdict["latents"]["latent_type"] != "discrete" or verdict["latents"]["num_latents"] < 2 or fraction is None:
@@ -352,8 +352,8 @@ def delay_end_note(metrics: Mapping[str, Any], config: Mapping[str, Any], *, ste
 # ----------------------------------------------------------------------------------------------
 
 
-def judge(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int | None = None,
-          source: str | None = None) -> dict[str, Any]:
+def verdict_of(metrics: Mapping[str, Any], config: Mapping[str, Any], *, step: int | None = None,
+               source: str | None = None) -> dict[str, Any]:
     """The verdict of one evaluation -> a JSON-ready dict.
 
     ``metrics``: the flat final evaluation (``evaluate``'s return, or the last eval record of
@@ -500,7 +500,7 @@ def read_verdict(directory: str | Path) -> dict[str, Any] | None:
 def report_verdict(directory: str | Path | None, metrics: Mapping[str, Any], config: Mapping[str, Any], *,
                    step: int | None, source: str, log_lines: bool = True) -> dict[str, Any]:
     """Judge, write ``verdict.json`` into ``directory`` (None: no file) and log each line (``log_lines``)."""
-    verdict = judge(metrics, config, step=step, source=source)
+    verdict = verdict_of(metrics, config, step=step, source=source)
     if directory is not None:
         write_verdict(directory, verdict)
     if log_lines:

@@ -35,7 +35,7 @@ initialized from the entangled checkpoint; docs/guide/backbones.md, "The referen
   the checkpoint it resumes) has no b at setup and is not checked; the record says so.
 
 Everything is recorded under ``reference_health`` in ``run_config.json`` (:meth:`ReferenceHealth.to_dict`).
-At the end of a run, :func:`closure_note` says so when the decoder rarely closed y
+At the end of a run, :func:`closure_warning` says so when the decoder rarely closed y
 (``closure_rate`` below :data:`MIN_CLOSURE_RATE`).
 """
 
@@ -63,7 +63,7 @@ __all__ = [
     "MIN_CLOSURE_RATE",
     "ReferenceHealth",
     "check_markers",
-    "closure_note",
+    "closure_warning",
     "entangled_command",
 ]
 
@@ -277,7 +277,7 @@ def _fresh_markers(backbone: str, *, trust_remote_code: bool) -> list[str]:
     return missing_markers(tokenizer.get_vocab())
 
 
-def closure_note(metrics: dict[str, float]) -> str | None:
+def closure_warning(metrics: dict[str, float]) -> str | None:
     """One line when the final decodes closed y (emitted ``</y>``) less often than :data:`MIN_CLOSURE_RATE`."""
     rate = metrics.get("closure_rate")
     if rate is None or rate >= MIN_CLOSURE_RATE:

@@ -306,10 +306,10 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
 
 def _finish(cfg: TrainConfig, final: dict[str, float], *, run_dir: Path, is_main: bool) -> None:
     """The closing lines, and the verdict (after the checkpoint: a verdict must never cost a run)."""
-    from zcvae.reference.health import closure_note
+    from zcvae.reference.health import closure_warning
 
     logger.info(f"[done] {cfg.run.run_name}: " + ", ".join(f"{k}={final[k]:.3f}" for k in ("nmi", "mi", "kl", "exact_match") if k in final))
-    if (note := closure_note(final)) is not None:
+    if (note := closure_warning(final)) is not None:
         logger.info(note)
     if is_main:
         from zcvae.eval.verdict import report_verdict

@@ -222,7 +222,7 @@ def test_default_table_shows_reachable_nmi_and_ratio(tmp_path):
 
 
 def test_table_shows_each_runs_verdict(tmp_path):
-    from zcvae.eval.verdict import judge, report_verdict
+    from zcvae.eval.verdict import report_verdict, verdict_of
 
     collapsed = {"nmi": 0.0, "mi": 1e-6, "kl": 1e-5, "num_used_latents": 2.0, "router_support": 2.0}
     healthy = {"nmi": 1.0, "nmi_ratio": 1.0, "mi": 0.68, "kl": 0.69, "num_used_latents": 2.0, "router_support": 2.0}
@@ -232,7 +232,7 @@ def test_table_shows_each_runs_verdict(tmp_path):
     older = write_run(tmp_path, "s1", records=history(collapsed), seed=1, run_name="x-seed1")
     fresh = write_run(tmp_path, "fresh", records=[{"step": 1, "split": "train", "loss": 5.0}], run_name="fresh", kl_weight=2.0)
     assert load_run(written).verdict == "in use (2.0 of 2); gold: aligned"
-    assert load_run(older).verdict == judge({**collapsed, "loss": 1.0}, BASE_CONFIG)["verdict"] == "collapsed"
+    assert load_run(older).verdict == verdict_of({**collapsed, "loss": 1.0}, BASE_CONFIG)["verdict"] == "collapsed"
     assert load_run(fresh).verdict is None
 
     rows = aggregate_runs([written, older, fresh])

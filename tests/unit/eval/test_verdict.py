@@ -24,7 +24,7 @@ from zcvae.eval.verdict import (
     MIN_MI_FRACTION,
     VERDICT,
     gold_collapsed,
-    judge,
+    verdict_of,
     read_verdict,
     report_verdict,
 )
@@ -94,7 +94,7 @@ def _collapsed(labelled=True):
 def test_healthy_run_without_labels_is_in_use_with_its_effective_number():
     metrics = _healthy(labelled=False)
     assert "nmi" not in metrics and metrics["control/distinct_outputs"] == 1.0
-    verdict = judge(metrics, _config())
+    verdict = verdict_of(metrics, _config())
     assert verdict["status"] == "in use" and verdict["category"] == "in use (2.0 of 2)"
     assert verdict["verdict"] == "in use (2.0 of 2)" and verdict["gold"] is None and verdict["gold_status"] is None
     assert verdict["information"]["carries_information"] is True
@@ -110,22 +110,22 @@ def test_healthy_run_without_labels_is_in_use_with_its_effective_number():
 def test_collapsed_raw_run_without_labels_suggests_the_default_objective():
     metrics = _collapsed(labelled=False)
     assert metrics["mi"] < 1e-9 and metrics["control/distinct_outputs"] == 0.0
-    verdict = judge(metrics, _config(objective="raw"))
+    verdict = verdict_of(metrics, _config(objective="raw"))
     assert verdict["status"] == "collapsed" and verdict["verdict"] == "collapsed"
     assert verdict["information"]["carries_information"] is False
     assert f"below {MIN_MI_FRACTION}" in verdict["reasons"][0]
     assert DEFAULT_OBJECTIVE in verdict["next_step"] and "--objective raw" in verdict["next_step"]
     # the same collapse under the default objective points at the late-decision recipe instead
-    assert f"--config {SUGGESTED_PRESET}" in judge(metrics, _config())["next_step"]
+    assert f"--config {SUGGESTED_PRESET}" in verdict_of(metrics, _config())["next_step"]
     # and with the late-decision parts on already, at more steps or the sum-mode variant
     recipe = _config(posterior_pooling="mean", router_support_weight=1.0, reconstruction_weight_scale="tokens")
-    assert "--max-steps 900" in judge(metrics, recipe)["next_step"] and "--config late-decisions" in judge(metrics, recipe)["next_step"]
-    assert f"--max-steps {LONGER_RUN * 40}" in judge(metrics, {**recipe, "max_steps": 40})["next_step"]
+    assert "--max-steps 900" in verdict_of(metrics, recipe)["next_step"] and "--config late-decisions" in verdict_of(metrics, recipe)["next_step"]
+    assert f"--max-steps {LONGER_RUN * 40}" in verdict_of(metrics, {**recipe, "max_steps": 40})["next_step"]
 
 
 def test_merged_run_without_labels_is_in_use_with_a_hedged_next_step():
     metrics = _merged(labelled=False)
-    verdict = judge(metrics, _config(num_latents=3))
+    verdict = verdict_of(metrics, _config(num_latents=3))
     # a merge cannot be told from a spare latent: in use, 2 of 3, and no "merged"
     assert verdict["status"] == "in use" and "merged" not in verdict["verdict"]
     assert verdict["latents"]["num_used_latents"] == 2
@@ -138,11 +138,11 @@ def test_decoder_that_ignores_z_counts_as_collapsed_even_when_q_separates():
     rows = [("fwd", _sharp(0, 2))] * 6 + [("rev", _sharp(1, 2))] * 6
     metrics = _run_metrics(rows, num_latents=2, labelled=False, outputs=lambda i, k: [300 + i, 7])
     assert metrics["mi"] > 0.5 and metrics["control/distinct_outputs"] == 0.0
-    verdict = judge(metrics, _config())
+    verdict = verdict_of(metrics, _config())
     assert verdict["status"] == "collapsed" and "ignores z" in verdict["reasons"][0]
     # a run from before control/distinct_outputs existed is judged on MI alone
     older = {k: v for k, v in metrics.items() if k != "control/distinct_outputs"}
-    assert judge(older, _config())["status"] == "in use"
+    assert verdict_of(older, _config())["status"] == "in use"
 
 
 def test_distinct_outputs_thresholds_are_fractions_of_x():
@@ -154,21 +154,21 @@ def test_distinct_outputs_thresholds_are_fractions_of_x():
     # 1 x in 20 (5%): at the bar of a decoder that ignores z, not below it; but z steers y on too few x for strategies
     at_ignore_bar = changed_on(1)
     assert at_ignore_bar["control/distinct_outputs"] == pytest.approx(MIN_DISTINCT_OUTPUTS)
-    verdict = judge(at_ignore_bar, _config())
+    verdict = verdict_of(at_ignore_bar, _config())
     assert verdict["status"] == "collapsed" and "ignores z" not in verdict["reasons"][0]
     assert "only 5.0% of x (< 67%): z steers a part of y" in verdict["reasons"][0]
     # half the x (add and search at 300 steps decoded 46-54% apart): collapsed, with the collapse's next step
-    half = judge(changed_on(10), _config())
+    half = verdict_of(changed_on(10), _config())
     assert half["status"] == "collapsed" and "only 50% of x" in half["reasons"][0] and half["next_step"] is not None
     # from two thirds of x on (14 of 20 = 70%), z is in use
     assert changed_on(14)["control/distinct_outputs"] >= MIN_STRATEGY_OUTPUTS > changed_on(13)["control/distinct_outputs"]
-    assert judge(changed_on(14), _config())["status"] == "in use" and judge(changed_on(13), _config())["status"] == "collapsed"
+    assert verdict_of(changed_on(14), _config())["status"] == "in use" and verdict_of(changed_on(13), _config())["status"] == "collapsed"
 
 
 def test_k1_and_missing_metrics():
-    k1 = judge({"mi": 0.0, "kl": 0.0, "num_used_latents": 1.0, "router_support": 1.0}, _config(num_latents=1))
+    k1 = verdict_of({"mi": 0.0, "kl": 0.0, "num_used_latents": 1.0, "router_support": 1.0}, _config(num_latents=1))
     assert k1["status"] == "collapsed" and "--num-latents" in k1["next_step"]
-    unknown = judge({"kl": 0.3, "mi": None}, _config())
+    unknown = verdict_of({"kl": 0.3, "mi": None}, _config())
     assert unknown["status"] == "unknown" and unknown["information"]["carries_information"] is None
     assert "no MI" in unknown["reasons"][0]
 
@@ -178,7 +178,7 @@ def test_k1_and_missing_metrics():
 
 def test_healthy_run_with_labels_is_aligned():
     metrics = _healthy()
-    verdict = judge(metrics, _config())
+    verdict = verdict_of(metrics, _config())
     assert verdict["gold_status"] == "aligned" and verdict["verdict"] == "in use (2.0 of 2); gold: aligned"
     assert verdict["gold"]["nmi"] == pytest.approx(1.0) and verdict["gold"]["merged"] == [] and verdict["gold"]["split"] == []
     assert verdict["next_step"] is None
@@ -187,7 +187,7 @@ def test_healthy_run_with_labels_is_aligned():
 
 def test_merged_run_with_labels_names_the_pair_and_the_recipe():
     metrics = _merged()
-    verdict = judge(metrics, _config(num_latents=3))
+    verdict = verdict_of(metrics, _config(num_latents=3))
     assert verdict["gold_status"] == "merged" and verdict["verdict"].endswith("; gold: merged")
     assert verdict["gold"]["merged"] == [{"latent": 1, "strategies": ["count", "descending"]}]
     assert verdict["gold"]["num_strategies"] == 3
@@ -196,21 +196,21 @@ def test_merged_run_with_labels_names_the_pair_and_the_recipe():
     assert f"--config {SUGGESTED_PRESET}" in verdict["next_step"]
     assert any("count+descending share latent 1" in line for line in verdict["lines"])
     # the same merge under the default (mean pooling and support on already) points to the sum-mode variant
-    under_default = judge(metrics, _config(num_latents=3, posterior_pooling="mean", router_support_weight=1.0,
+    under_default = verdict_of(metrics, _config(num_latents=3, posterior_pooling="mean", router_support_weight=1.0,
                                            reconstruction_weight_scale="tokens"))
     assert "--config late-decisions" in under_default["next_step"] and "K is the number of strategies" in under_default["next_step"]
     # pooling and support without a weighted decision (raw+dist in mean mode: what split the user family late at
     # random) still lack a part of the default, so the default is the next step
-    no_decision_weight = judge(metrics, _config(num_latents=3, objective="raw+dist", posterior_pooling="mean",
+    no_decision_weight = verdict_of(metrics, _config(num_latents=3, objective="raw+dist", posterior_pooling="mean",
                                                 router_support_weight=1.0, reconstruction_weight_scale="tokens"))
     assert f"--config {SUGGESTED_PRESET}" in no_decision_weight["next_step"]
     # sum mode weighs a late decision by the example's length: with pooling and support, the recipe is on
-    sum_recipe = judge(metrics, _config(num_latents=3, objective="raw+dist", posterior_pooling="mean", router_support_weight=1.0,
+    sum_recipe = verdict_of(metrics, _config(num_latents=3, objective="raw+dist", posterior_pooling="mean", router_support_weight=1.0,
                                         reconstruction_loss_token_aggregation_mode="sum"))
     assert "are on already" in sum_recipe["next_step"]
     # fewer latents than strategies: the merge is forced, and K is what to change
     rows = [("a", _sharp(0, 2))] * 4 + [("b", _sharp(1, 2))] * 4 + [("c", _sharp(1, 2))] * 4
-    forced = judge(_run_metrics(rows, num_latents=2), _config())
+    forced = verdict_of(_run_metrics(rows, num_latents=2), _config())
     assert forced["gold_status"] == "merged" and forced["next_step"].startswith("--num-latents 3")
 
 
@@ -219,7 +219,7 @@ def test_split_run_with_labels_is_not_a_merge_and_needs_no_next_step():
     rows = [("fwd", _sharp(0, 3))] * 8 + [("rev", _sharp(1, 3))] * 4 + [("rev", _sharp(2, 3))] * 4
     metrics = _run_metrics(rows, num_latents=3)
     assert metrics["homogeneity"] == pytest.approx(1.0) and metrics["nmi"] < 0.9
-    verdict = judge(metrics, _config(num_latents=3))
+    verdict = verdict_of(metrics, _config(num_latents=3))
     assert verdict["gold_status"] == "split" and verdict["gold"]["split"] == [{"strategy": "rev", "latents": [1, 2]}]
     assert verdict["gold"]["merged"] == [] and verdict["next_step"] is None
     # every latent in use holds one strategy: the clean split that spare latents are allowed (issue 20, item 2)
@@ -230,14 +230,14 @@ def test_split_run_with_labels_is_not_a_merge_and_needs_no_next_step():
 def test_spare_latents_unused_or_split_impurely_are_told_apart():
     # K = 4 for two strategies: the spare latents 2 and 3 stay unused
     rows = [("fwd", _sharp(0, 4))] * 8 + [("rev", _sharp(1, 4))] * 8
-    spare = judge(_run_metrics(rows, num_latents=4), _config(num_latents=4))
+    spare = verdict_of(_run_metrics(rows, num_latents=4), _config(num_latents=4))
     assert spare["gold_status"] == "aligned" and spare["gold"]["unused_latents"] == [2, 3] and spare["gold"]["pure"] is True
     assert spare["latents"]["num_used_latents"] == 2 and spare["next_step"] is None
     assert any("unused latents 2, 3" in line for line in spare["lines"])
     # rev split over latents 1 and 2, but latent 2 also takes a share of fwd: not pure
     rows = [("fwd", _sharp(0, 4))] * 8 + [("fwd", _sharp(2, 4))] * 2 + [("rev", _sharp(1, 4))] * 5 + [("rev", _sharp(2, 4))] * 5
     metrics = _run_metrics(rows, num_latents=4)
-    impure = judge(metrics, _config(num_latents=4))
+    impure = verdict_of(metrics, _config(num_latents=4))
     assert metrics["homogeneity"] < 0.95
     assert impure["gold"]["split"] == [{"strategy": "rev", "latents": [1, 2]}] and impure["verdict"].endswith("gold: split (impure)")
     assert impure["gold"]["latent_purity"]["2"] == pytest.approx(5 / 7, abs=0.01)
@@ -245,7 +245,7 @@ def test_spare_latents_unused_or_split_impurely_are_told_apart():
 
 def test_collapsed_run_with_labels_agrees_with_gold():
     metrics = _collapsed()
-    verdict = judge(metrics, _config(objective="raw"))
+    verdict = verdict_of(metrics, _config(objective="raw"))
     assert metrics["nmi"] < 0.1 and gold_collapsed(metrics) is True
     assert verdict["status"] == "collapsed" and verdict["gold_status"] == "collapsed" and verdict["verdict"] == "collapsed"
     assert DEFAULT_OBJECTIVE in verdict["next_step"]
@@ -256,25 +256,25 @@ def test_unaligned_latent_is_mixed_and_soft_leak_is_not_a_split():
     rows = ([("a", _sharp(0, 2))] * 9 + [("a", _sharp(1, 2))] * 1 + [("b", _sharp(1, 2))] * 7 + [("b", _sharp(0, 2))] * 3)
     metrics = _run_metrics(rows, num_latents=2)
     assert 0.1 < metrics["nmi"] < 0.9
-    verdict = judge(metrics, _config())
+    verdict = verdict_of(metrics, _config())
     assert verdict["gold_status"] == "mixed" and verdict["gold"]["split"] == [] and verdict["gold"]["merged"] == []
     assert f"--config {SUGGESTED_PRESET}" in verdict["next_step"]
 
 
 def test_gold_without_per_strategy_usage_falls_back_on_nmi_ratio():
     metrics = {"mi": 0.69, "kl": 0.69, "num_used_latents": 2.0, "router_support": 2.0, "nmi": 0.95, "nmi_ratio": 0.95}
-    assert judge(metrics, _config())["gold_status"] == "aligned"
-    assert judge({**metrics, "nmi_ratio": 0.5}, _config())["gold_status"] == "mixed"
+    assert verdict_of(metrics, _config())["gold_status"] == "aligned"
+    assert verdict_of({**metrics, "nmi_ratio": 0.5}, _config())["gold_status"] == "mixed"
     # z in use (MI high) but not along the strategies: gold collapsed, and the step for a merge, not the raw term's
-    unaligned = judge({**metrics, "nmi": 0.05, "nmi_ratio": 0.05}, _config(objective="raw"))
+    unaligned = verdict_of({**metrics, "nmi": 0.05, "nmi_ratio": 0.05}, _config(objective="raw"))
     assert unaligned["verdict"] == "in use (2.0 of 2); gold: collapsed" and f"--config {SUGGESTED_PRESET}" in unaligned["next_step"]
 
 
 def test_gaussian_latent_is_judged_by_active_units():
     config = _config(latent_type="continuous", latent_dim=8)
-    used = judge({"active_units": 3.0, "kl": 1.2, "nmi": 0.97, "nmi_ratio": 0.97}, config)
+    used = verdict_of({"active_units": 3.0, "kl": 1.2, "nmi": 0.97, "nmi_ratio": 0.97}, config)
     assert used["verdict"] == "in use (3 of 8); gold: aligned" and used["decoding"]["distinct_outputs"] is None
-    dead = judge({"active_units": 0.0, "kl": 1e-5, "nmi": 0.0}, config)
+    dead = verdict_of({"active_units": 0.0, "kl": 1e-5, "nmi": 0.0}, config)
     assert dead["status"] == "collapsed" and dead["verdict"] == "collapsed" and dead["next_step"]
 
 

@@ -28,7 +28,7 @@ from zcvae.reference.health import (
     MIN_CLOSURE_RATE,
     ReferenceHealth,
     check_markers,
-    closure_note,
+    closure_warning,
     entangled_command,
 )
 from zcvae.data.encoding import MARKERS, EncodedExample, collate, missing_markers
@@ -197,9 +197,9 @@ def test_no_b_at_setup_is_recorded_as_not_checked(logged):
 
 
 def test_closure_note_only_below_the_threshold():
-    assert closure_note({"nmi": 1.0}) is None
-    assert closure_note({"closure_rate": MIN_CLOSURE_RATE}) is None
-    note = closure_note({"closure_rate": 0.25})
+    assert closure_warning({"nmi": 1.0}) is None
+    assert closure_warning({"closure_rate": MIN_CLOSURE_RATE}) is None
+    note = closure_warning({"closure_rate": 0.25})
     assert note is not None and "\n" not in note and "25%" in note and "</y>" in note
 
 
