@@ -201,6 +201,19 @@ def test_real_lm_default_family_is_the_copy_study_without_an_objective(tmp_path)
     assert len(runs) == 3 and all("objective" not in r.params for r in runs)
 
 
+def test_real_lm_default_late_family_is_the_late_study_without_an_objective(tmp_path):
+    """real-lm-default-late.yaml builds the late study's stage (one reference for both) and runs its base with no
+    objective and none of the arms' fields, so each run is the default preset."""
+    late = load_family(ROOT / "launch" / "families" / "real-lm-late.yaml")
+    default = load_family(ROOT / "launch" / "families" / "real-lm-default-late.yaml")
+    assert default["pretrain"] == late["pretrain"]
+    arm_fields = set(late["zip"][0]) | {"objective"}
+    assert {k: v for k, v in late["base"].items() if k not in arm_fields} == {k: v for k, v in default["base"].items() if k not in arm_fields | {"reconstruction_loss_token_aggregation_mode"}}
+    assert not arm_fields - {"reconstruction_loss_token_aggregation_mode"} & set(default["base"])
+    runs = local_plan(default, output_dir=tmp_path)
+    assert len(runs) == 3 and all("objective" not in r.params for r in runs) and runs[0].pretrain["backbone"] == "smollm2"
+
+
 def test_late_family_arm_is_the_shipped_recipe():
     recipe = yaml.safe_load((ROOT / "launch" / "configs" / "late-decisions.yaml").read_text())
     fam = load_family(ROOT / "launch" / "families" / "real-lm-late.yaml")
