@@ -409,13 +409,13 @@ class _SharedInputCast:
     peft casts a LoRA layer's input to its adapter's dtype once per layer. q, k and v read the same
     hidden state, so with a bf16 base and float32 adapters a step saved three float32 copies of it for the
     backward where one does (at SmolLM2-360M, 1 step at B = 1: 56 of the step's 127 MiB of saved activations
-    were these copies; BENCHMARKS.md, "Host memory"). Under autocast to the input's dtype (the local engine's
-    bf16 precision with a bf16 base) no cast is made at all: autocast cast each float32 copy back to bf16 and
-    saved that, one per layer. Where no cast is needed (a float32 base, or bf16 adapters under DeepSpeed and
-    FSDP2) nothing changes. The cast is the same value either way; the gradient
-    reaching the hidden state is the float32 sum of the layers' gradients, rounded to its dtype once instead
-    of each in turn. Both references are weak: a cast outlives its input's layer only while autograd has
-    saved it, so no activation is kept longer than it was."""
+    were these copies; BENCHMARKS.md, "Host memory"). The values are the same; the gradient reaching the hidden
+    state is the float32 sum of the layers' gradients, rounded to bf16 once instead of each in turn.
+
+    Under autocast to the input's dtype (the local engine's bf16 precision with a bf16 base) no cast is made at
+    all: autocast cast each float32 copy back to bf16 and saved that, one per layer. Where no cast is needed (a
+    float32 base, or bf16 adapters under DeepSpeed and FSDP2) nothing changes. Both references are weak: a cast
+    outlives its input's layer only while autograd has saved it, so no activation is kept longer than it was."""
 
     def __init__(self) -> None:
         self._last: tuple | None = None  # (weakref to the input, its version, dtype, grad mode, weakref to the cast)
