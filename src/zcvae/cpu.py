@@ -105,7 +105,8 @@ def release_file_pages(tensor: torch.Tensor) -> int:
     Why: transformers keeps a checkpoint's weights memory-mapped when they load in the file's dtype, and every
     tensor is a view of one mapping of the whole file. Resizing the embedding copies its rows into a new tensor;
     the old one's pages, read by that copy, stay resident as long as any weight of the file is alive, i.e. for
-    the whole run: 90 MiB of a SmolLM2-360M run's bf16 base (BENCHMARKS.md, "Host memory"). The pages are clean
+    the whole run: the 113 MB embedding of the real SmolLM2-135M in fp32 (its 1-step peak on the local engine fell
+    from 1.30 to 1.19 GiB; BENCHMARKS.md, "Host memory"). The pages are clean
     file pages, so dropping them loses nothing: a later read would fault them in again from the file. Only
     whole pages inside the tensor are dropped, so its neighbours in the file keep theirs."""
     import ctypes

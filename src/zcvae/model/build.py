@@ -106,7 +106,7 @@ def resize_and_init_rows(model: nn.Module, tokenizer, *, tokens: TemplateTokens,
                    if w is not None]
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
         kept = {p.data_ptr() for p in model.parameters()}
-        for weight in {id(w): w for w in dropped if w.data_ptr() not in kept}.values():
+        for weight in {w.data_ptr(): w for w in dropped if w.data_ptr() not in kept}.values():  # a tied head once
             cpu.release_file_pages(weight)  # a memory-mapped checkpoint keeps the old rows resident otherwise
     return init_new_rows(
         model, tokens=tokens, added=added, old_rows=old_rows, had_znull=ZNULL in vocab_before, noise=noise, generator=generator
