@@ -173,7 +173,7 @@ def test_aggregation_family_is_seed_000s_four_arm_ablation():
 
 
 def test_the_default_families_run_the_no_flag_default_and_the_user_families_the_former_one():
-    """default.yaml, default-add-search.yaml, user-*-default.yaml, k-spare-default.yaml, real-lm-default.yaml and real-lm-default-late.yaml give no objective, so each run is the default preset, as `zcvae
+    """default.yaml, default-add-search.yaml, user-*-default.yaml, k-spare-default.yaml, real-lm-default.yaml, real-lm-default-late.yaml and real-lm-default-user-late.yaml give no objective, so each run is the default preset, as `zcvae
     train` resolves it from the rendered arguments; user-late.yaml and user-ambiguous.yaml, whose runs the
     user-family tables of docs/results/ quote, name raw+dist and so keep the former default (the </y> state,
     no scale, no support)."""
@@ -181,7 +181,7 @@ def test_the_default_families_run_the_no_flag_default_and_the_user_families_the_
 
     preset = load_config_file(DEFAULT_PRESET)
     for name in ("default", "default-add-search", "user-late-default", "user-ambiguous-default", "k-spare-default", "real-lm-default",
-                 "real-lm-default-late"):
+                 "real-lm-default-late", "real-lm-default-user-late"):
         for cfg in _trained(FAMILIES / f"{name}.yaml"):
             assert all(cfg.to_dict()[k] == v for k, v in preset.items()), name
     tasks = {(c.data.task, c.model.num_latents, c.optimization.seed) for c in _trained(FAMILIES / "default.yaml")}

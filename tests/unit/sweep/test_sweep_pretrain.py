@@ -214,6 +214,22 @@ def test_real_lm_default_late_family_is_the_late_study_without_an_objective(tmp_
     assert len(runs) == 3 and all("objective" not in r.params for r in runs) and runs[0].pretrain["backbone"] == "smollm2"
 
 
+def test_real_lm_default_user_late_family_is_the_sort3_stage_on_the_user_late_data(tmp_path):
+    """real-lm-default-user-late.yaml is real-lm-default-late.yaml on the JSONL family `late`: the same stage settings
+    and run settings, the user files in place of the built-in task, one stage named after the train file."""
+    sort3 = load_family(ROOT / "launch" / "families" / "real-lm-default-late.yaml")
+    user = load_family(ROOT / "launch" / "families" / "real-lm-default-user-late.yaml")
+    assert user["pretrain"] == sort3["pretrain"] and user["grid"] == sort3["grid"]
+    data = ("task", "train_data", "val_data")
+    assert {k: v for k, v in user["base"].items() if k not in data} == {k: v for k, v in sort3["base"].items() if k not in data}
+    for key in ("train_data", "val_data"):
+        assert (ROOT / user["base"][key]).is_file(), key
+    runs = local_plan(user, output_dir=tmp_path)
+    assert len(runs) == 3 and all("objective" not in r.params for r in runs)
+    assert {r.params["backbone"] for r in runs} == {str(tmp_path / "entangled-late-train")}
+    assert runs[0].pretrain["backbone"] == "smollm2" and runs[0].pretrain["train_data"] == user["base"]["train_data"]
+
+
 def test_late_family_arm_is_the_shipped_recipe():
     recipe = yaml.safe_load((ROOT / "launch" / "configs" / "late-decisions.yaml").read_text())
     fam = load_family(ROOT / "launch" / "families" / "real-lm-late.yaml")
