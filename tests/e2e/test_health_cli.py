@@ -52,5 +52,6 @@ def test_entangled_backbone_passes_the_check_quietly(cli, tiny_backbone, tmp_pat
     proc = cli("train", "--backbone", tiny_backbone, "--output-dir", run_dir, *FLAGS, cwd=tmp_path)
     health = json.loads((run_dir / "run_config.json").read_text())["reference_health"]
     assert health["fresh_markers"] == [] and health["allow_fresh_markers"] is False
+    assert health["stage_steps"] == 40  # TINY_PRETRAIN's: the c_base advice is a longer stage, not one on top
     assert "--allow-fresh-markers" not in proc.stdout + proc.stderr
     assert all("--allow-fresh-markers" not in w for w in health["warnings"])

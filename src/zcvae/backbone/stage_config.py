@@ -204,3 +204,11 @@ def is_pretrained(output_dir: str | os.PathLike) -> bool:
         return False
     return isinstance(summary, dict) and summary.get("finished") is True
 
+
+def stage_steps(output_dir: str | os.PathLike) -> int | None:
+    """The optimizer steps of the finished stage in ``output_dir`` (its summary's ``max_steps``), or None when
+    ``output_dir`` holds no finished stage (a raw LM, a GGUF file)."""
+    if not is_pretrained(output_dir):
+        return None
+    steps = json.loads((Path(output_dir) / SUMMARY_FILE).read_text()).get("config", {}).get("max_steps")
+    return steps if isinstance(steps, int) else None

@@ -157,6 +157,8 @@ class ReferenceHealth:
     """Whether the run was told to proceed anyway (then the fresh rows train as trainable tokens)."""
     entangled_command: str
     """The command that builds the entangled checkpoint for this backbone and data."""
+    stage_steps: int | None = None
+    """The steps of the entangled stage the backbone already is (its ``pretrain_summary.json``); None for a raw LM."""
     c_base: float | None = None
     c_base_mode: str | None = None
     c_base_source: str | None = None
@@ -205,10 +207,15 @@ class ReferenceHealth:
             return None
         units = "nats/token" if c_base.mode == "mean" else "nats/sequence"
         floor = f", floor {self.floor:.4g}" if self.floor is not None else ""
+        if self.stage_steps is None:
+            remedy = f"an entangled checkpoint helps: {self.entangled_command}"
+        else:  # pretraining a stage's output again would stack a second stage on it: the stage itself wants more steps
+            remedy = (f"the backbone is an entangled stage of {self.stage_steps} steps that stopped short of the floor; a "
+                      f"longer one helps: build it again with --max-steps {2 * self.stage_steps} (in a sweep family, "
+                      f"pretrain.max_steps), its other settings as in its pretrain_summary.json")
         line = (f"[health] warning: c_base[{c_base.mode}] = {self.c_base:.4g} {units} is above {self.c_base_threshold:.4g} "
                 f"({self.c_base_threshold_rule}{floor}): the reference has not learned this data, so the "
-                f"reference-weighted terms weigh its format more than the strategy; an entangled checkpoint helps: "
-                f"{self.entangled_command}")
+                f"reference-weighted terms weigh its format more than the strategy; {remedy}")
         self.warnings.append(line)
         logger.warning(line)
         return line
@@ -239,8 +246,10 @@ def _entropies(val: Sequence, examples: Sequence, task) -> list[float] | None:
         return None  # an example the family cannot read: no floor, the per-token rule applies
 
 
-def check_markers(cfg, backbone: str) -> ReferenceHealth:
+def check_markers(cfg, backbone: str, *, stage_steps: int | None = None) -> ReferenceHealth:
     """Read the backbone's tokenizer (cheap: before the weights load) and check its template markers.
+    ``stage_steps``: the steps of the entangled stage the backbone is, None for a raw LM (the c_base
+    warning then advises a longer stage, not a stage on top of it).
 
     ValueError (``zcvae train`` exits 2 with it, one line) naming the ``zcvae pretrain --backbone``
     command when a marker or ``<znull>`` would be added fresh, unless ``cfg.model.allow_fresh_markers``.
@@ -250,7 +259,7 @@ def check_markers(cfg, backbone: str) -> ReferenceHealth:
     shown = cfg.model.backbone or str(backbone)
     fresh = _fresh_markers(backbone, trust_remote_code=cfg.model.trust_remote_code)
     health = ReferenceHealth(backbone=shown, fresh_markers=fresh, allow_fresh_markers=bool(cfg.model.allow_fresh_markers),
-                             entangled_command=command)
+                             entangled_command=command, stage_steps=stage_steps)
     if not fresh:
         return health
     if not cfg.model.allow_fresh_markers:

@@ -23,6 +23,7 @@ import torch
 
 from zcvae.config import TrainConfig, kl_delay_end, kl_weight_at, lr_factor_at, resolve_scale_factors, train_run_name
 from zcvae.backbone.convert import conversion_record, describe_conversion, resolve_backbone_path
+from zcvae.backbone.stage_config import stage_steps
 from zcvae.data.dataset import load_splits, passes_over_data
 from zcvae.cpu import cpu_threads, flush_denormals, limit_heap_retention
 from zcvae.distributed import dist_info, init_distributed
@@ -192,7 +193,7 @@ def _load_data_and_model(cfg: TrainConfig, *, cpu: dict) -> _RunData:
     if (conversion := conversion_record(backbone)) is not None:
         logger.info(f"[backbone] {backbone}: {describe_conversion(conversion)}")
     # exits 2 (ValueError) on a backbone without the template markers, before its weights load
-    health = check_markers(cfg, backbone)
+    health = check_markers(cfg, backbone, stage_steps=stage_steps(backbone))
     # ZeRO-3 and FSDP2 build the model without its weights (each rank later keeps its shard); the others load it whole
     loading = sharded_loading(cfg.engine_config())
     # before the weights load: a large backbone's freed tensors go back to the system (zcvae.cpu.limit_heap_retention)

@@ -318,3 +318,26 @@ def test_entangled_command_names_the_checkpoint_after_the_backbone():
     assert out == "runs/entangled-SmolLM2.Q4_1" and cmd.startswith("zcvae pretrain --backbone /m/SmolLM2.Q4_1.gguf --task copy")
     assert entangled_command(_cfg(backbone="bb/model.v1-abc"))[1] == "runs/entangled-model.v1-abc"  # a directory keeps its dots
     assert entangled_command(_cfg(backbone="my dir/m"))[0].endswith("--backbone 'my dir/m' --task copy --output-dir runs/entangled-m")
+
+
+
+def test_a_high_c_base_on_an_entangled_stage_asks_for_a_longer_stage_not_a_stage_on_top(tmp_path, raw_tiny_backbone):
+    """A stage that stopped short of the floor (SmolLM2's sort3 stage: 0.2 nats per sequence above it) was told to
+    pretrain its own output again; the advice names its steps and twice them instead. A raw LM keeps the command."""
+    from zcvae.backbone.pretraining import pretrain
+    from zcvae.backbone.stage_config import PretrainConfig, stage_steps
+
+    entangled, raw = str(tmp_path / "stage"), str(raw_tiny_backbone())
+    pretrain(PretrainConfig(task="copy", output_dir=entangled, max_steps=3, warmup_steps=1, num_train_examples=64,
+                            num_val_examples=8, num_decode_examples=2, hidden_size=32, num_layers=2, num_heads=4,
+                            intermediate_size=64, progress_bar=False))
+    assert stage_steps(entangled) == 3 and stage_steps(raw) is None
+    encoded, examples = _val([3, 7])
+    lines = {}
+    for name, backbone in (("stage", entangled), ("raw", raw)):
+        health = check_markers(_cfg(backbone=backbone, task="copy", allow_fresh_markers=True), backbone,
+                               stage_steps=stage_steps(backbone))
+        lines[name] = health.check_c_base(CBase(**{**C_BASE, "value": 50.0}), val=encoded, examples=examples, task=None)
+    assert "entangled stage of 3 steps" in lines["stage"] and "--max-steps 6" in lines["stage"]
+    assert "zcvae pretrain --backbone" not in lines["stage"]
+    assert f"zcvae pretrain --backbone {raw}" in lines["raw"] and "stage of" not in lines["raw"]
