@@ -212,7 +212,8 @@ class ReferenceHealth:
         else:  # pretraining a stage's output again would stack a second stage on it: the stage itself wants more steps
             remedy = (f"the backbone is an entangled stage of {self.stage_steps} steps that stopped short of the floor; a "
                       f"longer one helps: build it again with --max-steps {2 * self.stage_steps} (in a sweep family, "
-                      f"pretrain.max_steps), its other settings as in its pretrain_summary.json")
+                      f"pretrain.max_steps) and its other settings as in {Path(self.backbone) / 'pretrain_summary.json'}, "
+                      f"then train with --backbone on the new stage")
         line = (f"[health] warning: c_base[{c_base.mode}] = {self.c_base:.4g} {units} is above {self.c_base_threshold:.4g} "
                 f"({self.c_base_threshold_rule}{floor}): the reference has not learned this data, so the "
                 f"reference-weighted terms weigh its format more than the strategy; {remedy}")

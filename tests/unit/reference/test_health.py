@@ -339,5 +339,6 @@ def test_a_high_c_base_on_an_entangled_stage_asks_for_a_longer_stage_not_a_stage
                                stage_steps=stage_steps(backbone))
         lines[name] = health.check_c_base(CBase(**{**C_BASE, "value": 50.0}), val=encoded, examples=examples, task=None)
     assert "entangled stage of 3 steps" in lines["stage"] and "--max-steps 6" in lines["stage"]
+    assert f"{entangled}/pretrain_summary.json" in lines["stage"]
     assert "zcvae pretrain --backbone" not in lines["stage"]
     assert f"zcvae pretrain --backbone {raw}" in lines["raw"] and "stage of" not in lines["raw"]
