@@ -249,8 +249,8 @@ def _entropies(val: Sequence, examples: Sequence, task) -> list[float] | None:
 
 def check_markers(cfg, backbone: str, *, stage_steps: int | None = None) -> ReferenceHealth:
     """Read the backbone's tokenizer (cheap: before the weights load) and check its template markers.
-    ``stage_steps``: the steps of the entangled stage the backbone is, None for a raw LM (the c_base
-    warning then advises a longer stage, not a stage on top of it).
+    ``stage_steps``: the steps of the entangled stage the backbone already is, None for a raw LM; given, the
+    c_base warning advises a longer stage rather than a stage on top of this one.
 
     ValueError (``zcvae train`` exits 2 with it, one line) naming the ``zcvae pretrain --backbone``
     command when a marker or ``<znull>`` would be added fresh, unless ``cfg.model.allow_fresh_markers``.
