@@ -38,9 +38,23 @@ from zcvae.strict import StrictDataclass
 logger = logging.getLogger(__name__)
 
 
-def _option(default, help: str, **kw):
+def option(default, help: str, **kw):
     """A config field that is also a command-line option: its default, its --help text and flag keywords (choices)."""
     return field(default=default, metadata={"help": help, **kw})
+
+
+def shared_option(section: type, name: str, *, default: Any = dataclasses.MISSING, help: str | None = None):
+    """Another config's field that is ``section``'s field ``name`` (the entangled stage's PretrainConfig shares 27
+    with `zcvae train`): its choices and help come from the section, with that config's own ``default`` and, where
+    it reads the field otherwise, its own ``help``. The annotation is written again at the use; a test keeps it
+    equal to the section's."""
+    source = next((f for f in dataclasses.fields(section) if f.name == name), None)
+    if source is None:
+        raise ValueError(f"{section.__name__} has no field {name!r}")
+    metadata = {**source.metadata, "section": section}
+    if help is not None:
+        metadata["help"] = help
+    return field(default=source.default if default is dataclasses.MISSING else default, metadata=metadata)
 
 
 def _read_objective_presets() -> dict[str, dict[str, float]]:
@@ -63,129 +77,129 @@ OBJECTIVE_PRESETS: dict[str, dict[str, float]] = _read_objective_presets()
 class DataSection(StrictDataclass):
     """What the run trains and validates on."""
 
-    task: str | None = _option(None, "Built-in synthetic task family (the default task when neither --task nor --train-data is given).")
-    train_data: str | None = _option(None, "JSONL file with fields id, x, y and optional strategy (instead of --task).")
-    val_data: str | None = _option(None, "Validation JSONL file (required with --train-data).")
-    num_train_examples: int = _option(4000, "Training examples generated for a built-in task.")
-    num_val_examples: int = _option(400, "Validation examples generated for a built-in task.")
-    max_length: int = _option(64, "Maximum z-conditioned sequence length; x is truncated from the left, an example whose y cannot fit is skipped and counted.")
+    task: str | None = option(None, "Built-in synthetic task family (the default task when neither --task nor --train-data is given).")
+    train_data: str | None = option(None, "JSONL file with fields id, x, y and optional strategy (instead of --task).")
+    val_data: str | None = option(None, "Validation JSONL file (required with --train-data).")
+    num_train_examples: int = option(4000, "Training examples generated for a built-in task.")
+    num_val_examples: int = option(400, "Validation examples generated for a built-in task.")
+    max_length: int = option(64, "Maximum z-conditioned sequence length; x is truncated from the left, an example whose y cannot fit is skipped and counted.")
 
 
 @dataclass
 class ModelSection(StrictDataclass):
     """The backbone and the latent: what :class:`~zcvae.model.config.ModelConfig` is built from."""
 
-    backbone: str | None = _option(None, "Local Hugging Face checkpoint directory of the causal LM, or a .gguf file (dequantized into a cached checkpoint, see `zcvae convert-gguf`); the built-in tiny backbone pretrained on the task when omitted.")
-    trust_remote_code: bool = _option(False, "Allow the backbone's own modelling code to run (off unless you trust the checkpoint).")
-    allow_fresh_markers: bool = _option(False, "Train on a backbone whose tokenizer lacks the template markers (<x> </x> <z> </z> <y> </y> <znull>) instead of exiting with the `zcvae pretrain --backbone` command that builds its entangled checkpoint; the added marker rows then train as trainable tokens, like the z rows (for studying a raw backbone as the reference).")
-    latent_type: str = _option("discrete", "discrete (K learned z tokens, exact expectation) or continuous (Gaussian soft prompt).", choices=("discrete", "continuous"))
-    num_latents: int = _option(2, "K, the number of discrete latent values (K = 1 is valid: no latent information; the benchmarks use it).")
-    latent_dim: int = _option(16, "Dimension of the Gaussian latent.")
-    num_z_slots: int = _option(1, "M tokens filling the <z> section: discrete, each latent value owns M learned rows (<z_k_1> .. <z_k_M>); Gaussian, M soft-prompt embeddings.")
-    num_latent_samples: int = _option(1, "S, reparameterised posterior samples per example (Gaussian).")
-    z_conditioned_norm: bool = _option(False, "Condition every decoder norm on z: norm(h) * (1 + scale_z) + shift_z on the positions from <z> on, learned in the latent group, zero at the start. The notes' other remedy for the single z token beside --num-z-slots: z reaches every position of every layer, not through attention alone (docs/objective.md#dilution). Not with --gradient-checkpointing.")
-    learned_prior: bool = _option(True, "Gaussian: learned prior p(z|x) instead of a standard normal.")
-    lora_r: int = _option(8, "LoRA rank.")
-    lora_alpha: int = _option(16, "LoRA alpha.")
-    lora_dropout: float = _option(0.0, "LoRA dropout.")
-    lora_target_modules: list[str] | None = _option(None, "Module names that get LoRA adapters (per-architecture default when omitted).")
-    branch_chunk_size: int | None = _option(None, "Rows of the B*K branch forward per chunk. Each chunk is rebuilt in the backward (exact), so peak branch memory grows with it, not with K; costs one more branch forward unless --gradient-checkpointing is on. Default: all rows at once, also with --gradient-checkpointing, whose per-layer checkpoints already keep branch memory nearly flat in K (a chunk switches them off inside itself; BENCHMARKS.md).")
-    z_init_noise: float = _option(0.1, "z rows start as the <znull> row plus this times the row norm of noise.")
-    gradient_checkpointing: bool = _option(False, "Recompute activations in the backward pass.")
-    posterior_pooling: str = _option("last", "What q(z|x,y) reads: last (the final state at </y>) or mean (the mean final state over <y> y </y>; for strategies that part mid-y and end alike).", choices=("last", "mean"))
-    share_x_prefix: bool = _option(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact, also under gradient checkpointing; falls back with a reason where unsupported).")
+    backbone: str | None = option(None, "Local Hugging Face checkpoint directory of the causal LM, or a .gguf file (dequantized into a cached checkpoint, see `zcvae convert-gguf`); the built-in tiny backbone pretrained on the task when omitted.")
+    trust_remote_code: bool = option(False, "Allow the backbone's own modelling code to run (off unless you trust the checkpoint).")
+    allow_fresh_markers: bool = option(False, "Train on a backbone whose tokenizer lacks the template markers (<x> </x> <z> </z> <y> </y> <znull>) instead of exiting with the `zcvae pretrain --backbone` command that builds its entangled checkpoint; the added marker rows then train as trainable tokens, like the z rows (for studying a raw backbone as the reference).")
+    latent_type: str = option("discrete", "discrete (K learned z tokens, exact expectation) or continuous (Gaussian soft prompt).", choices=("discrete", "continuous"))
+    num_latents: int = option(2, "K, the number of discrete latent values (K = 1 is valid: no latent information; the benchmarks use it).")
+    latent_dim: int = option(16, "Dimension of the Gaussian latent.")
+    num_z_slots: int = option(1, "M tokens filling the <z> section: discrete, each latent value owns M learned rows (<z_k_1> .. <z_k_M>); Gaussian, M soft-prompt embeddings.")
+    num_latent_samples: int = option(1, "S, reparameterised posterior samples per example (Gaussian).")
+    z_conditioned_norm: bool = option(False, "Condition every decoder norm on z: norm(h) * (1 + scale_z) + shift_z on the positions from <z> on, learned in the latent group, zero at the start. The notes' other remedy for the single z token beside --num-z-slots: z reaches every position of every layer, not through attention alone (docs/objective.md#dilution). Not with --gradient-checkpointing.")
+    learned_prior: bool = option(True, "Gaussian: learned prior p(z|x) instead of a standard normal.")
+    lora_r: int = option(8, "LoRA rank.")
+    lora_alpha: int = option(16, "LoRA alpha.")
+    lora_dropout: float = option(0.0, "LoRA dropout.")
+    lora_target_modules: list[str] | None = option(None, "Module names that get LoRA adapters (per-architecture default when omitted).")
+    branch_chunk_size: int | None = option(None, "Rows of the B*K branch forward per chunk. Each chunk is rebuilt in the backward (exact), so peak branch memory grows with it, not with K; costs one more branch forward unless --gradient-checkpointing is on. Default: all rows at once, also with --gradient-checkpointing, whose per-layer checkpoints already keep branch memory nearly flat in K (a chunk switches them off inside itself; BENCHMARKS.md).")
+    z_init_noise: float = option(0.1, "z rows start as the <znull> row plus this times the row norm of noise.")
+    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
+    posterior_pooling: str = option("last", "What q(z|x,y) reads: last (the final state at </y>) or mean (the mean final state over <y> y </y>; for strategies that part mid-y and end alike).", choices=("last", "mean"))
+    share_x_prefix: bool = option(True, "Run <bos> <x> {x} </x> once per example and reuse its keys/values for the router and all K branches (exact, also under gradient checkpointing; falls back with a reason where unsupported).")
 
 
 @dataclass
 @with_term_weight_fields(
     after="reconstruction_loss_sum_scale",
-    make_field=lambda term: _option(term.default_weight, f"Weight of {term.name} ({term.abbreviation}): {term.description}"),
+    make_field=lambda term: option(term.default_weight, f"Weight of {term.name} ({term.abbreviation}): {term.description}"),
 )
 class ObjectiveSection(StrictDataclass):
     """The training objective: the reconstruction terms (one weight per registered term), c_base, the KL and its schedule, the auxiliaries."""
 
-    objective: str | None = _option(None, f"Reconstruction preset (src/zcvae/presets/objectives.yaml): {', '.join(OBJECTIVE_PRESETS)}; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: the default run preset, src/zcvae/presets/default.yaml (its objective and the fields that go with it, under any flag given; TrainConfig() in Python keeps raw 1.0).", choices=(*OBJECTIVE_PRESETS, "custom"))
-    reconstruction_loss_token_aggregation_mode: str = _option("mean", "Token aggregation of every reconstruction term: mean (per-example token mean, then an example mean), sum (per-example token sum, then an example mean) or token (the global token mean: every supervised token of the global batch, all ranks and micro-batches, weighs the same).", choices=("mean", "sum", "token"))
-    reconstruction_weight_scale: str = _option("none", "none, or tokens: the weights of the terms in the mode's units (raw and tok; the terms divided by c_base or A(b_i) are ratios and stay) are brought to a sequence's size: under mean and token multiplied by the validation mean of n_i (supervised tokens per example), under sum by its scale C (1 unless reconstruction-loss-sum-scale is set). Under mean every example still weighs the same, but the reconstruction has a sequence's size against the per-example KL, as under sum (docs/objective.md, \"Scale against the KL\").", choices=("none", "tokens"))
-    reconstruction_weight_factor: float | None = _option(None, "The multiplier of the mode-unit weights that reconstruction-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
-    reconstruction_loss_sum_scale: float | None = _option(None, "Sum mode only: divide each example's token sum by this constant C (Dr. GRPO's fixed divisor); c_base is divided by C too, so only raw, tok and ex change. Omitted: 1.")
-    token_weight_alpha: float = _option(1.0, "Temperature alpha of the surprisal-share token weights (0 = uniform).")
-    example_inverse_surprisal_epsilon: float = _option(1e-2, "Epsilon of the example-level inverse-surprisal ratio, in units of the aggregation mode.")
-    inverse_surprisal_token_weight_epsilon: float = _option(1e-2, "Epsilon of the inverse-surprisal token weights (nats).")
-    zfree_reference_scale: float | None = _option(None, "Fixed c_base; when omitted it is the validation mean of A_mode(b_i) in the selected mode.")
-    reference_policy: str = _option("auto", "z-free reference: online (a forward per batch), precomputed (a store), auto (precomputed when data is seen more than once).", choices=("auto", "online", "precomputed"))
-    reference_cache_dir: str | None = _option(None, "Directory of precomputed reference stores (default ~/.cache/zcvae/reference).")
-    reference_refresh_every: int = _option(0, "The dynamic reference: every N optimizer steps, copy the trained adapter (LoRA and trainable tokens) into a second, frozen adapter that the reference pass runs instead of the adapters-disabled backbone, so that b, and with it the token weights, follow the model (docs/objective.md#the-following-reference). 0: off, the frozen reference. c_base stays the setup value. Needs reference-policy online or auto (a store would be stale) and --engine local.")
-    kl_weight: float = _option(1.0, "beta, the final weight of KL(q || p).")
-    kl_weight_scale: str = _option("none", "none, or tokens: beta is multiplied by the validation mean of n_i (supervised tokens per example), the explicit beta control for sum aggregation (docs/objective.md).", choices=("none", "tokens"))
-    kl_weight_factor: float | None = _option(None, "The multiplier of beta that kl-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
-    kl_schedule: str = _option("delay-ramp", "constant, delay-ramp (0 for kl-delay-fraction, then linear over kl-ramp-fraction) or cyclical.", choices=("constant", "delay-ramp", "cyclical"))
-    kl_delay_fraction: float = _option(0.3, "Fraction of steps (per cycle) with beta = 0.")
-    kl_delay_mode: str = _option("fixed", "When the KL delay of the delay-ramp schedule ends: fixed (after kl-delay-fraction of the steps) or read (after at least kl-delay-fraction, at the first check where the decoder reads z: on kl-delay-read-share of a fixed probe set of validation examples, teacher-forced y is e times likelier under one z than under another; at most kl-delay-max-fraction). Then beta ramps over kl-ramp-fraction of the steps. No labels are used.", choices=("fixed", "read"))
-    kl_delay_max_fraction: float = _option(0.8, "kl-delay-mode read: the cap of the delay, a fraction of max-steps; reached without a read, beta starts there and the run says so.")
-    kl_delay_read_share: float = _option(0.5, "kl-delay-mode read: the share of probe examples on which the decoder must read z (the best z makes y at least e times likelier than the worst) to end the delay.")
-    kl_delay_check_every: int = _option(10, "kl-delay-mode read: optimizer steps between two checks of whether the decoder reads z.")
-    kl_ramp_fraction: float = _option(0.2, "Fraction of steps (per cycle) over which beta ramps to kl-weight.")
-    kl_cycles: int = _option(4, "Number of cycles of the cyclical schedule.")
-    posterior_entropy_weight: float = _option(0.0, "Weight of the mean posterior entropy H(q) (positive sharpens q).")
-    router_support_weight: float = _option(0.0, "Weight of -log router support = -H(mean q) (positive spreads usage).")
-    router_support_schedule: str = _option("constant", "When router support applies: constant (every step) or delay (only while the KL weight is 0, the KL delay, so that once the KL prices latents a spare one can empty).", choices=("constant", "delay"))
-    router_marginal_kl_weight: float = _option(0.0, "Weight of KL(mean q || uniform) over the global batch.")
-    inter_latent_divergence_weight: float = _option(0.0, "Weight of -inter_latent_divergence (positive pushes latents apart).")
-    posterior_variance_weight: float = _option(0.0, "Gaussian: weight of the posterior variance term.")
+    objective: str | None = option(None, f"Reconstruction preset (src/zcvae/presets/objectives.yaml): {', '.join(OBJECTIVE_PRESETS)}; explicit weight flags override its entries. Only weight flags: exactly those weights, recorded as 'custom'. Neither: the default run preset, src/zcvae/presets/default.yaml (its objective and the fields that go with it, under any flag given; TrainConfig() in Python keeps raw 1.0).", choices=(*OBJECTIVE_PRESETS, "custom"))
+    reconstruction_loss_token_aggregation_mode: str = option("mean", "Token aggregation of every reconstruction term: mean (per-example token mean, then an example mean), sum (per-example token sum, then an example mean) or token (the global token mean: every supervised token of the global batch, all ranks and micro-batches, weighs the same).", choices=("mean", "sum", "token"))
+    reconstruction_weight_scale: str = option("none", "none, or tokens: the weights of the terms in the mode's units (raw and tok; the terms divided by c_base or A(b_i) are ratios and stay) are brought to a sequence's size: under mean and token multiplied by the validation mean of n_i (supervised tokens per example), under sum by its scale C (1 unless reconstruction-loss-sum-scale is set). Under mean every example still weighs the same, but the reconstruction has a sequence's size against the per-example KL, as under sum (docs/objective.md, \"Scale against the KL\").", choices=("none", "tokens"))
+    reconstruction_weight_factor: float | None = option(None, "The multiplier of the mode-unit weights that reconstruction-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
+    reconstruction_loss_sum_scale: float | None = option(None, "Sum mode only: divide each example's token sum by this constant C (Dr. GRPO's fixed divisor); c_base is divided by C too, so only raw, tok and ex change. Omitted: 1.")
+    token_weight_alpha: float = option(1.0, "Temperature alpha of the surprisal-share token weights (0 = uniform).")
+    example_inverse_surprisal_epsilon: float = option(1e-2, "Epsilon of the example-level inverse-surprisal ratio, in units of the aggregation mode.")
+    inverse_surprisal_token_weight_epsilon: float = option(1e-2, "Epsilon of the inverse-surprisal token weights (nats).")
+    zfree_reference_scale: float | None = option(None, "Fixed c_base; when omitted it is the validation mean of A_mode(b_i) in the selected mode.")
+    reference_policy: str = option("auto", "z-free reference: online (a forward per batch), precomputed (a store), auto (precomputed when data is seen more than once).", choices=("auto", "online", "precomputed"))
+    reference_cache_dir: str | None = option(None, "Directory of precomputed reference stores (default ~/.cache/zcvae/reference).")
+    reference_refresh_every: int = option(0, "The dynamic reference: every N optimizer steps, copy the trained adapter (LoRA and trainable tokens) into a second, frozen adapter that the reference pass runs instead of the adapters-disabled backbone, so that b, and with it the token weights, follow the model (docs/objective.md#the-following-reference). 0: off, the frozen reference. c_base stays the setup value. Needs reference-policy online or auto (a store would be stale) and --engine local.")
+    kl_weight: float = option(1.0, "beta, the final weight of KL(q || p).")
+    kl_weight_scale: str = option("none", "none, or tokens: beta is multiplied by the validation mean of n_i (supervised tokens per example), the explicit beta control for sum aggregation (docs/objective.md).", choices=("none", "tokens"))
+    kl_weight_factor: float | None = option(None, "The multiplier of beta that kl-weight-scale resolved to (set by the trainer and recorded in run_config.json; 1 under none).")
+    kl_schedule: str = option("delay-ramp", "constant, delay-ramp (0 for kl-delay-fraction, then linear over kl-ramp-fraction) or cyclical.", choices=("constant", "delay-ramp", "cyclical"))
+    kl_delay_fraction: float = option(0.3, "Fraction of steps (per cycle) with beta = 0.")
+    kl_delay_mode: str = option("fixed", "When the KL delay of the delay-ramp schedule ends: fixed (after kl-delay-fraction of the steps) or read (after at least kl-delay-fraction, at the first check where the decoder reads z: on kl-delay-read-share of a fixed probe set of validation examples, teacher-forced y is e times likelier under one z than under another; at most kl-delay-max-fraction). Then beta ramps over kl-ramp-fraction of the steps. No labels are used.", choices=("fixed", "read"))
+    kl_delay_max_fraction: float = option(0.8, "kl-delay-mode read: the cap of the delay, a fraction of max-steps; reached without a read, beta starts there and the run says so.")
+    kl_delay_read_share: float = option(0.5, "kl-delay-mode read: the share of probe examples on which the decoder must read z (the best z makes y at least e times likelier than the worst) to end the delay.")
+    kl_delay_check_every: int = option(10, "kl-delay-mode read: optimizer steps between two checks of whether the decoder reads z.")
+    kl_ramp_fraction: float = option(0.2, "Fraction of steps (per cycle) over which beta ramps to kl-weight.")
+    kl_cycles: int = option(4, "Number of cycles of the cyclical schedule.")
+    posterior_entropy_weight: float = option(0.0, "Weight of the mean posterior entropy H(q) (positive sharpens q).")
+    router_support_weight: float = option(0.0, "Weight of -log router support = -H(mean q) (positive spreads usage).")
+    router_support_schedule: str = option("constant", "When router support applies: constant (every step) or delay (only while the KL weight is 0, the KL delay, so that once the KL prices latents a spare one can empty).", choices=("constant", "delay"))
+    router_marginal_kl_weight: float = option(0.0, "Weight of KL(mean q || uniform) over the global batch.")
+    inter_latent_divergence_weight: float = option(0.0, "Weight of -inter_latent_divergence (positive pushes latents apart).")
+    posterior_variance_weight: float = option(0.0, "Gaussian: weight of the posterior variance term.")
 
 
 @dataclass
 class OptimizationSection(StrictDataclass):
     """Steps, batches, learning rates and their schedule, the seed."""
 
-    max_steps: int = _option(300, "Optimizer steps.")
-    micro_batch_size: int = _option(16, "Examples per rank per micro-batch.")
-    gradient_accumulation_steps: int = _option(1, "Micro-batches per optimizer step.")
-    lora_learning_rate: float = _option(1e-3, "Peak learning rate of the LoRA adapters.")
-    latent_learning_rate: float = _option(1e-2, "Peak learning rate of the z rows and router/prior/projection heads.")
-    weight_decay: float = _option(0.0, "AdamW weight decay.")
-    max_grad_norm: float | None = _option(1.0, "Gradient clipping norm (none when omitted).")
-    warmup_steps: int = _option(10, "Linear learning-rate warm-up steps.")
-    min_lr_ratio: float = _option(0.1, "Cosine decay floor as a fraction of the peak learning rate.")
-    seed: int = _option(0, "Seed of data order, initialisation and sampling.")
+    max_steps: int = option(300, "Optimizer steps.")
+    micro_batch_size: int = option(16, "Examples per rank per micro-batch.")
+    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
+    lora_learning_rate: float = option(1e-3, "Peak learning rate of the LoRA adapters.")
+    latent_learning_rate: float = option(1e-2, "Peak learning rate of the z rows and router/prior/projection heads.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    max_grad_norm: float | None = option(1.0, "Gradient clipping norm (none when omitted).")
+    warmup_steps: int = option(10, "Linear learning-rate warm-up steps.")
+    min_lr_ratio: float = option(0.1, "Cosine decay floor as a fraction of the peak learning rate.")
+    seed: int = option(0, "Seed of data order, initialisation and sampling.")
 
 
 @dataclass
 class EngineSection(StrictDataclass):
     """How the step is executed across processes and devices."""
 
-    engine: str = _option("local", "local (DDP when launched with several processes), deepspeed or fsdp2.", choices=("local", "deepspeed", "fsdp2"))
-    deepspeed_config: str | None = _option(None, "DeepSpeed JSON config (ds_configs/zero2.json when omitted).")
-    precision: str = _option("fp32", "fp32 or bf16.", choices=("fp32", "bf16"))
-    base_dtype: str | None = _option(None, "Dtype of the frozen backbone weights (the LoRA adapters, z rows and router heads always keep float32 masters): float32, bfloat16, or auto (as saved in the checkpoint). Default: bfloat16 under --precision bf16, float32 otherwise. A bfloat16 base halves the frozen weights' memory on every engine (gloo runs its bfloat16 collectives too: measured with torch 2.13).", choices=("float32", "bfloat16", "auto"))
-    cpu_offload: bool = _option(False, "Offload optimizer state (and ZeRO-3 parameters) to CPU.")
+    engine: str = option("local", "local (DDP when launched with several processes), deepspeed or fsdp2.", choices=("local", "deepspeed", "fsdp2"))
+    deepspeed_config: str | None = option(None, "DeepSpeed JSON config (ds_configs/zero2.json when omitted).")
+    precision: str = option("fp32", "fp32 or bf16.", choices=("fp32", "bf16"))
+    base_dtype: str | None = option(None, "Dtype of the frozen backbone weights (the LoRA adapters, z rows and router heads always keep float32 masters): float32, bfloat16, or auto (as saved in the checkpoint). Default: bfloat16 under --precision bf16, float32 otherwise. A bfloat16 base halves the frozen weights' memory on every engine (gloo runs its bfloat16 collectives too: measured with torch 2.13).", choices=("float32", "bfloat16", "auto"))
+    cpu_offload: bool = option(False, "Offload optimizer state (and ZeRO-3 parameters) to CPU.")
 
 
 @dataclass
 class RunSection(StrictDataclass):
     """The run directory, logging, checkpoints, resuming."""
 
-    output_dir: str = _option("runs/zcvae", "Run directory (created).")
-    run_name: str | None = _option(None, "Run name (derived from the parameters that differ from the defaults when omitted).")
-    log_every: int = _option(10, "Log train metrics every N steps.")
-    report_to: str = _option(DEFAULT_REPORT_TO, "Where the logged metrics go, a comma list: jsonl (metrics.jsonl; required, since resume, aggregate and the verdict read it), tensorboard (tensorboard/ in the run directory), wandb (a Weights & Biases run: pip install 'zcvae[wandb]'; WANDB_MODE and the other WANDB_* variables apply). Changes no training number.")
-    grad_probe_every: int = _option(0, "Every N steps, log the norms of the reconstruction and the KL gradient on the router's posterior head and on the LoRA weights, separately, their ratio and t0/T (the dilution argument, docs/objective.md#dilution; zcvae.train.grad_probe; records of split grad_probe in metrics.jsonl). 0: off. Changes no training number. Cost on a probed step: two extra backward passes per micro-batch (the reconstruction one about as long as the step's own backward, the KL one through the router pass only) and one all-reduce of those gradients. Needs --engine local.")
-    progress_bar: bool = _option(True, "Show a progress bar on rank 0.")
-    follow_cores: bool = _option(False, "On CPU, one process: start on the cores idle now and follow the cores other processes leave free at each log step (faster beside other jobs). Off: the thread count is fixed (OMP_NUM_THREADS, else every core), so a fixed-seed run gives the same numbers whatever else runs on the machine; the thread count sets the summation order, so following makes the last digits, and over a long run possibly the outcome, depend on the load.")
-    save_every: int = _option(0, "Save a resumable checkpoint every N steps (0: only at the end).")
-    keep_last_checkpoints: int = _option(2, "Resumable checkpoints kept.")
-    resume: str | None = _option(None, "Resume from a checkpoint directory, or 'auto' for the newest complete one in the run directory.")
-    skip_nonfinite_steps: int = _option(0, "Non-finite steps (loss or gradient norm NaN/inf; their update is skipped) to pass over, each logged, before the run stops as diverged (0: stop at the first).")
+    output_dir: str = option("runs/zcvae", "Run directory (created).")
+    run_name: str | None = option(None, "Run name (derived from the parameters that differ from the defaults when omitted).")
+    log_every: int = option(10, "Log train metrics every N steps.")
+    report_to: str = option(DEFAULT_REPORT_TO, "Where the logged metrics go, a comma list: jsonl (metrics.jsonl; required, since resume, aggregate and the verdict read it), tensorboard (tensorboard/ in the run directory), wandb (a Weights & Biases run: pip install 'zcvae[wandb]'; WANDB_MODE and the other WANDB_* variables apply). Changes no training number.")
+    grad_probe_every: int = option(0, "Every N steps, log the norms of the reconstruction and the KL gradient on the router's posterior head and on the LoRA weights, separately, their ratio and t0/T (the dilution argument, docs/objective.md#dilution; zcvae.train.grad_probe; records of split grad_probe in metrics.jsonl). 0: off. Changes no training number. Cost on a probed step: two extra backward passes per micro-batch (the reconstruction one about as long as the step's own backward, the KL one through the router pass only) and one all-reduce of those gradients. Needs --engine local.")
+    progress_bar: bool = option(True, "Show a progress bar on rank 0.")
+    follow_cores: bool = option(False, "On CPU, one process: start on the cores idle now and follow the cores other processes leave free at each log step (faster beside other jobs). Off: the thread count is fixed (OMP_NUM_THREADS, else every core), so a fixed-seed run gives the same numbers whatever else runs on the machine; the thread count sets the summation order, so following makes the last digits, and over a long run possibly the outcome, depend on the load.")
+    save_every: int = option(0, "Save a resumable checkpoint every N steps (0: only at the end).")
+    keep_last_checkpoints: int = option(2, "Resumable checkpoints kept.")
+    resume: str | None = option(None, "Resume from a checkpoint directory, or 'auto' for the newest complete one in the run directory.")
+    skip_nonfinite_steps: int = option(0, "Non-finite steps (loss or gradient norm NaN/inf; their update is skipped) to pass over, each logged, before the run stops as diverged (0: stop at the first).")
 
 
 @dataclass
 class EvaluationSection(StrictDataclass):
     """Evaluation during and at the end of the run."""
 
-    eval_every: int = _option(0, "Evaluate every N steps (0: only at the end).")
-    num_eval_decode_examples: int = _option(64, "Validation x decoded with each latent for controllability.")
-    max_new_tokens: int | None = _option(None, "Greedy decoding length (the longest validation y + 2 when omitted).")
+    eval_every: int = option(0, "Evaluate every N steps (0: only at the end).")
+    num_eval_decode_examples: int = option(64, "Validation x decoded with each latent for controllability.")
+    max_new_tokens: int | None = option(None, "Greedy decoding length (the longest validation y + 2 when omitted).")
 
 # Section name -> its dataclass, in the order of run_config.json and of the CLI help.
 SECTIONS: dict[str, type] = {

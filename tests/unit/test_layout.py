@@ -16,8 +16,8 @@ LAYERS = (
     ("data",),
     ("model",),
     ("engines", "reference", "loop"),  # engines: through model/hf_compat, the one home of HF/peft internals
+    ("config",),  # below backbone: the entangled stage's PretrainConfig takes its shared fields from the sections
     ("backbone",),
-    ("config",),
     ("plan",),  # shapes without weights, the FLOP and memory models of `zcvae plan`
     ("export",),
     ("eval",),

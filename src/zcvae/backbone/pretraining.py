@@ -26,7 +26,7 @@ accepts a half-written directory.
 
 Run (2 CPU cores; about 1-2 minutes for the defaults on the default task)::
 
-    python -m zcvae.backbone.pretraining output_dir=runs/backbone    # or: zcvae pretrain --output-dir runs/backbone
+    zcvae pretrain --output-dir runs/backbone
     torchrun --nproc_per_node 2 -m zcvae pretrain --backbone DIR --engine deepspeed --deepspeed-config zero3 ...
 
 The stage's parts: what it is asked (``stage_config``), its data and objective (``stage_data``), its model
@@ -40,9 +40,8 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -420,28 +419,3 @@ def _write_checkpoint(model, tokenizer, summary: dict, output_dir: str) -> None:
     for path in sorted(tmp.iterdir(), key=lambda p: p.name == SUMMARY_FILE):
         os.replace(path, final / path.name)
     tmp.rmdir()
-
-
-def _parse_value(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return None if text in ("None", "null") else text
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m zcvae.backbone.pretraining key=value ...`` (keys of PretrainConfig)."""
-    values = {}
-    for arg in sys.argv[1:] if argv is None else argv:
-        key, sep, text = arg.partition("=")
-        if not sep:
-            raise SystemExit(f"expected key=value, got {arg!r}")
-        values[key.strip().lstrip("-").replace("-", "_")] = _parse_value(text)
-    pretrain(PretrainConfig.from_dict(values))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from zcvae.strict import StrictDataclass
+from zcvae.config import (DataSection, EngineSection, EvaluationSection, ModelSection, OptimizationSection, RunSection,
+                          check_types, option, shared_option)
 from zcvae.data.encoding import TemplateLayout
+from zcvae.strict import StrictDataclass
 
 SUMMARY_FILE = "pretrain_summary.json"
 # Files a finished checkpoint directory must hold; the summary is written last.
@@ -18,96 +21,91 @@ CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "token
 
 @dataclass
 class PretrainConfig(StrictDataclass):
-    """How to pretrain the backbone. ``from_dict`` rejects unknown keys; fields are checked on creation."""
+    """How to pretrain the backbone: one flat field per ``zcvae pretrain`` flag and ``--config`` key.
 
-    task: str | None = None
-    """A built-in task (``zcvae.data.TASKS``); DEFAULT_TASK when neither task nor train_data is given."""
-    train_data: str | None = None
-    """A JSONL file of the user's own examples (``{"id","x","y","strategy"?}``) instead of ``task``."""
-    val_data: str | None = None
-    """Validation JSONL for ``train_data``; without it the last ``num_val_examples`` lines (at most a
-    tenth of the file) are held out."""
-    output_dir: str = "runs/backbone"
-    """Where the checkpoint goes (replaced if it exists, unless ``resume``), with the stage's run state
-    (checkpoints/, metrics.jsonl, tensorboard/)."""
-    backbone: str | None = None
-    """A pretrained causal LM to fine-tune z-free instead of a tiny model from scratch: a local Hugging
-    Face directory or a ``.gguf`` file (converted once into the cache). This is the entangled stage for
-    a real LM: its tokenizer gains the template markers and ``<znull>``, whose rows train (peft trainable
-    tokens) together with LoRA on every linear layer; LoRA is merged into the weights at the end, so
-    the output is a plain HF checkpoint that ``zcvae train --backbone`` reads with the markers already
-    known. The tiny-model size fields (hidden_size ... intermediate_size) are ignored."""
-    full_finetune: bool = False
-    """With ``backbone``: train every weight instead of LoRA + the new rows."""
-    lora_r: int = 16
-    lora_alpha: float = 32.0
-    lora_target_modules: list[str] | None = None
-    """With ``backbone`` and LoRA: peft ``target_modules``; None = every linear layer but the head
-    (peft's ``all-linear``): the stage must fit p(y | x), not only re-route attention."""
-    trust_remote_code: bool = False
-    """With ``backbone``: allow a model directory to ship its own code (off unless set explicitly)."""
-    max_steps: int = 800
-    """Optimizer steps. On the default task the y NLL reaches 0.697 nats/sequence at 800 steps (floor
-    log 2 = 0.693) and 0.694 at 1,200; a step costs 0.3 CPU-s on one heavily shared core (76 ms was measured for
-    this model size on 2 idle cores in the prototype, i.e. about 1 minute)."""
-    batch_size: int = 64
-    learning_rate: float | None = None
-    """Peak learning rate after warm-up; None = 1.5e-3 for the tiny model, 1e-3 for LoRA on a
-    ``backbone``, 5e-5 for ``full_finetune`` (resolved on creation and recorded)."""
-    warmup_steps: int = 100
-    """Linear warm-up from 0 to ``learning_rate``."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay; 0 because a 1M model fit in ~1k steps does not overfit 20k examples."""
-    min_lr_ratio: float = 0.1
-    """Cosine decay ends at ``min_lr_ratio * learning_rate``."""
-    grad_clip: float = 1.0
-    """Max global gradient norm; 0 disables clipping."""
-    num_train_examples: int = 20000
-    """Examples generated for a built-in task (ignored with ``train_data``)."""
-    num_val_examples: int = 500
-    """Validation examples (generated, or held out of ``train_data`` when there is no ``val_data``)."""
-    z_template_share: float = 0.5
-    """Share of training rows in the z-shaped template with ``<znull>`` in the slot."""
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    intermediate_size: int = 512
-    max_length: int = 64
-    """Bound on the z-shaped sequence in tokens (the longer template); see ``zcvae.data.encoding``."""
-    seed: int = 0
-    """Seeds the model initialisation, the data order, the template draw and the generated task data."""
-    log_every: int = 100
-    """Steps between progress lines."""
-    eval_every: int = 0
-    """Steps between validation y-NLL lines (z-free template, nats per sequence); 0: only at the end."""
-    num_decode_examples: int = 64
-    """Validation x decoded (greedy and sampled) after training to count strategies; 0 skips."""
-    device: str = "auto"
-    """"auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:1", ...; under torchrun each rank
-    takes the device the engine gives it (``zcvae.distributed``)."""
-    engine: str = "local"
-    """``local`` (one process, or DDP under torchrun), ``deepspeed`` (ZeRO stage from ``deepspeed_config``)
-    or ``fsdp2``, as in ``zcvae train`` (``zcvae.engines``)."""
-    deepspeed_config: str | None = None
-    """DeepSpeed only: a JSON file or a built-in name (``zero0`` ... ``zero3_offload``); None = ``zero2``."""
-    precision: str = "fp32"
-    """``fp32`` or ``bf16`` (see ``zcvae.engines.EngineConfig``); keep CPU/gloo runs in fp32."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward."""
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step on each rank: ``batch_size`` (the examples of one step over all
-    ranks) = micro-batch size x ``gradient_accumulation_steps`` x world size, which must divide it."""
-    save_every: int = 0
-    """Steps between resumable checkpoints in ``output_dir/checkpoints``; 0: only the final one."""
-    keep_last_checkpoints: int = 2
-    """Checkpoints kept in ``output_dir/checkpoints``."""
-    resume: str | None = None
-    """``auto``: continue the stage from the newest checkpoint in ``output_dir/checkpoints`` (a fresh
-    start when there is none), or a checkpoint directory."""
-    progress_bar: bool = True
-    """A tqdm bar on rank 0."""
+    A field that ``zcvae train`` has too (same name) is that section field (:func:`zcvae.config.shared_option`):
+    its type, choices and help come from there, with the stage's own default and, where the stage reads it
+    otherwise, its own help. ``from_dict`` rejects unknown keys; values are checked on creation."""
+
+    task: str | None = shared_option(DataSection, "task")
+    train_data: str | None = shared_option(DataSection, "train_data")
+    val_data: str | None = shared_option(DataSection, "val_data", help=(
+        "Validation JSONL for train_data; without it the last num_val_examples lines (at most a tenth of the file) are held out."))
+    output_dir: str = shared_option(RunSection, "output_dir", default="runs/backbone", help=(
+        "Where the checkpoint goes (replaced if it exists, unless resume), with the stage's run state (checkpoints/, "
+        "metrics.jsonl, tensorboard/)."))
+    backbone: str | None = shared_option(ModelSection, "backbone", help=(
+        "A pretrained causal LM to fine-tune z-free instead of a tiny model from scratch: a local Hugging Face directory or "
+        "a .gguf file (converted once into the cache). This is the entangled stage for a real LM: its tokenizer gains the "
+        "template markers and <znull>, whose rows train (peft trainable tokens) together with LoRA on every linear layer; "
+        "LoRA is merged into the weights at the end, so the output is a plain HF checkpoint that `zcvae train --backbone` "
+        "reads with the markers already known. The tiny-model size fields (hidden_size ... intermediate_size) are ignored."))
+    full_finetune: bool = option(False, "With backbone: train every weight instead of LoRA + the new rows.")
+    lora_r: int = shared_option(ModelSection, "lora_r", default=16)
+    # a float, as peft takes it (the stage's summaries record 32.0); `zcvae train`'s is an int
+    lora_alpha: float = option(32.0, "LoRA alpha (with backbone).")
+    lora_target_modules: list[str] | None = shared_option(ModelSection, "lora_target_modules", help=(
+        "With backbone and LoRA: peft target_modules; omitted = every linear layer but the head (peft's all-linear): "
+        "the stage must fit p(y | x), not only re-route attention."))
+    trust_remote_code: bool = shared_option(ModelSection, "trust_remote_code")
+    max_steps: int = shared_option(OptimizationSection, "max_steps", default=800, help=(
+        "Optimizer steps. On the default task the y NLL reaches 0.697 nats/sequence at 800 steps (floor log 2 = 0.693) "
+        "and 0.694 at 1,200; a step costs 0.3 CPU-s on one heavily shared core (76 ms was measured for this model size on "
+        "2 idle cores in the prototype, i.e. about 1 minute)."))
+    batch_size: int = option(64, "Examples per optimizer step over all ranks (micro-batch x gradient_accumulation_steps x world size).")
+    learning_rate: float | None = option(None, (
+        "Peak learning rate after warm-up; omitted = 1.5e-3 for the tiny model, 1e-3 for LoRA on a backbone, 5e-5 for "
+        "full_finetune (resolved on creation and recorded)."))
+    warmup_steps: int = shared_option(OptimizationSection, "warmup_steps", default=100)
+    weight_decay: float = shared_option(OptimizationSection, "weight_decay", help=(
+        "AdamW decoupled weight decay; 0 because a 1M model fit in ~1k steps does not overfit 20k examples."))
+    min_lr_ratio: float = shared_option(OptimizationSection, "min_lr_ratio")
+    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.")
+    num_train_examples: int = shared_option(DataSection, "num_train_examples", default=20000, help=(
+        "Examples generated for a built-in task (ignored with train_data)."))
+    num_val_examples: int = shared_option(DataSection, "num_val_examples", default=500, help=(
+        "Validation examples (generated, or held out of train_data when there is no val_data)."))
+    z_template_share: float = option(0.5, "Share of training rows in the z-shaped template with <znull> in the slot.")
+    hidden_size: int = option(128, "Tiny model: hidden size.")
+    num_layers: int = option(4, "Tiny model: decoder layers.")
+    num_heads: int = option(4, "Tiny model: attention heads.")
+    intermediate_size: int = option(512, "Tiny model: MLP width.")
+    max_length: int = shared_option(DataSection, "max_length", help=(
+        "Bound on the z-shaped sequence in tokens (the longer template); see zcvae.data.encoding."))
+    seed: int = shared_option(OptimizationSection, "seed", help=(
+        "Seeds the model initialisation, the data order, the template draw and the generated task data."))
+    log_every: int = shared_option(RunSection, "log_every", default=100, help="Steps between progress lines.")
+    eval_every: int = shared_option(EvaluationSection, "eval_every", help=(
+        "Steps between validation y-NLL lines (z-free template, nats per sequence); 0: only at the end."))
+    num_decode_examples: int = option(64, "Validation x decoded (greedy and sampled) after training to count strategies; 0 skips.")
+    device: str = option("auto", (
+        "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...; under torchrun each rank takes the device the "
+        "engine gives it (zcvae.distributed)."))
+    engine: str = shared_option(EngineSection, "engine")
+    deepspeed_config: str | None = shared_option(EngineSection, "deepspeed_config", help=(
+        "DeepSpeed only: a JSON file or a built-in name (zero0 ... zero3_offload); omitted = zero2."))
+    precision: str = shared_option(EngineSection, "precision", help="fp32 or bf16 (see zcvae.engines.EngineConfig); keep CPU/gloo runs in fp32.")
+    gradient_checkpointing: bool = shared_option(ModelSection, "gradient_checkpointing")
+    gradient_accumulation_steps: int = shared_option(OptimizationSection, "gradient_accumulation_steps", help=(
+        "Micro-batches per optimizer step on each rank: batch_size (the examples of one step over all ranks) = "
+        "micro-batch size x gradient_accumulation_steps x world size, which must divide it."))
+    save_every: int = shared_option(RunSection, "save_every", help="Steps between resumable checkpoints in output_dir/checkpoints; 0: only the final one.")
+    keep_last_checkpoints: int = shared_option(RunSection, "keep_last_checkpoints")
+    resume: str | None = shared_option(RunSection, "resume", help=(
+        "auto: continue the stage from the newest checkpoint in output_dir/checkpoints (a fresh start when there is none), "
+        "or a checkpoint directory."))
+    progress_bar: bool = shared_option(RunSection, "progress_bar")
 
     def __post_init__(self) -> None:
+        # types as `zcvae train` judges them (a bool is not an int, "3" not a number), then the choices a field carries
+        check_types(PretrainConfig, self.to_dict(), source="PretrainConfig")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices and not (value is None and f.default is None):
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be finite, got {value!r}")
         if self.task is not None and self.train_data is not None:
             raise ValueError("task and train_data are exclusive: give a built-in task or a JSONL path, not both")
         if self.val_data is not None and self.train_data is None:
@@ -123,35 +121,24 @@ class PretrainConfig(StrictDataclass):
                 get_task(self.task)
             except ValueError as error:
                 raise ValueError(f"task: {error}") from None
-        for name in ("max_steps", "batch_size", "num_train_examples", "num_val_examples", "hidden_size",
-                     "num_layers", "num_heads", "intermediate_size", "log_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("warmup_steps", "eval_every", "num_decode_examples", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("max_steps", "batch_size", "num_train_examples", "num_val_examples", "hidden_size", "num_layers",
+                     "num_heads", "intermediate_size", "log_every", "lora_r", "gradient_accumulation_steps", "keep_last_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("warmup_steps", "eval_every", "num_decode_examples", "seed", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         if self.learning_rate is None:
             self.learning_rate = 1.5e-3 if self.backbone is None else 5e-5 if self.full_finetune else 1e-3
-        if self.backbone is not None and (not isinstance(self.backbone, str) or not self.backbone.strip()):
+        if self.backbone is not None and not self.backbone.strip():
             raise ValueError(f"backbone must be a model directory or a .gguf file, got {self.backbone!r}")
         if self.full_finetune and self.backbone is None:
             raise ValueError("full_finetune needs backbone: the tiny model from scratch trains every weight anyway")
-        for name in ("full_finetune", "trust_remote_code"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 1:
-            raise ValueError(f"lora_r must be an int >= 1, got {self.lora_r!r}")
-        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or not self.lora_alpha > 0:
-            raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
-        if self.lora_target_modules is not None and (
-            not isinstance(self.lora_target_modules, (list, tuple)) or not self.lora_target_modules
-            or not all(isinstance(t, str) and t for t in self.lora_target_modules)
-        ):
+        if self.lora_target_modules is not None and (not self.lora_target_modules or not all(self.lora_target_modules)):
             raise ValueError(f"lora_target_modules must be None or a non-empty list of names, got {self.lora_target_modules!r}")
-        if isinstance(self.learning_rate, bool) or not isinstance(self.learning_rate, (int, float)) or not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
+        for name in ("lora_alpha", "learning_rate"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         if not self.grad_clip >= 0:
@@ -166,25 +153,17 @@ class PretrainConfig(StrictDataclass):
             raise ValueError(f"head dim hidden_size/num_heads={self.hidden_size // self.num_heads} must be even (RoPE)")
         # One z slot; at least one x and one y token.
         shortest = TemplateLayout(num_z_slots=1).zcond_length(1, 1)
-        if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < shortest:
+        if self.max_length < shortest:
             raise ValueError(f"max_length must be an int >= {shortest}, got {self.max_length!r}")
-        if not isinstance(self.output_dir, str) or not self.output_dir.strip("/ "):
+        if not self.output_dir.strip("/ "):
             raise ValueError(f"output_dir must be a non-empty path, got {self.output_dir!r}")
-        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        self.engine_config()  # engine, deepspeed_config, precision, gradient_checkpointing (ValueError naming the field)
-        for name in ("gradient_accumulation_steps", "keep_last_checkpoints"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) or self.save_every < 0:
-            raise ValueError(f"save_every must be an int >= 0, got {self.save_every!r}")
+        self.engine_config()  # deepspeed_config against the engine (ValueError naming the field)
         if self.batch_size % self.gradient_accumulation_steps:
             raise ValueError(f"batch_size {self.batch_size} must be divisible by gradient_accumulation_steps {self.gradient_accumulation_steps}")
-        if self.resume is not None and (not isinstance(self.resume, str) or not self.resume):
+        if self.resume is not None and not self.resume:
             raise ValueError(f"resume must be 'auto' or a checkpoint directory, got {self.resume!r}")
-        if not isinstance(self.progress_bar, bool):
-            raise ValueError(f"progress_bar must be a bool, got {self.progress_bar!r}")
 
     def engine_config(self):
         from zcvae.engines import EngineConfig

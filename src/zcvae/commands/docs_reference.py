@@ -12,13 +12,11 @@ regenerates them and fails when the files differ.
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import dataclasses
 import inspect
 import io
 import sys
-import textwrap
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -118,25 +116,13 @@ def _type_name(tp) -> str:
     return text.replace("typing.", "")
 
 
-def _attribute_docs(cls) -> dict[str, str]:
-    """Field name -> the docstring under it in the class body (PretrainConfig documents its fields so)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = after.value.value
-    return docs
-
-
-def _field_rows(cls, *, docs: dict[str, str] | None = None) -> list[str]:
+def _field_rows(cls) -> list[str]:
     hints = typing.get_type_hints(cls)
     rows = ["| field | flag | type | default | what it is |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else "")  # type: ignore[misc]
-        text = f.metadata.get("help") or (docs or {}).get(f.name, "")
+        text = f.metadata.get("help", "")
         if f.metadata.get("choices"):
             text += f" Choices: {', '.join(map(str, f.metadata['choices']))}."
         flag = "--" + f.name.replace("_", "-")
@@ -158,8 +144,9 @@ def render_config() -> str:
         lines += ["", f"## {name}", "", _cell(inspect.getdoc(cls) or ""), ""]
         lines += _field_rows(cls)
     lines += ["", "## pretrain", "", "`zcvae pretrain` (the entangled stage) reads a `PretrainConfig` "
-              "(`zcvae.backbone.stage_config`), flat: each field is a flag and a key of its `--config` file.", ""]
-    lines += _field_rows(PretrainConfig, docs=_attribute_docs(PretrainConfig))
+              "(`zcvae.backbone.stage_config`), flat: each field is a flag and a key of its `--config` file. A field "
+              "named as in `zcvae train` is that section's field, with the stage's default.", ""]
+    lines += _field_rows(PretrainConfig)
     return "\n".join(lines) + "\n"
 
 

@@ -1,9 +1,12 @@
 """Backbone pretraining: the checkpoint loads offline and reproduces the model, training helps, and
 ``is_pretrained`` accepts only finished checkpoints. One tiny pretraining run is shared (module fixture)."""
 
+import argparse
+import dataclasses
 import json
 import math
 import shutil
+import typing
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,8 @@ from zcvae.backbone.stage_config import CHECKPOINT_FILES, SUMMARY_FILE, Pretrain
 from zcvae.backbone.stage_data import mix_templates, span_nll
 from zcvae.backbone.stage_eval import evaluate_nll
 from zcvae.backbone.stage_model import tiny_llama_config
+from zcvae.commands.cli import build_parser
+from zcvae.config import FLAT_KEYS, SECTIONS, ModelSection, shared_option
 from zcvae.console import capture_lines
 from zcvae.core.schedule import lr_multiplier
 from zcvae.data import Example, build_tokenizer, make_examples, write_jsonl
@@ -172,6 +177,46 @@ def test_config_rejects_unknown_keys_and_bad_values():
         PretrainConfig(task="nope")
     with pytest.raises(ValueError, match="num_heads"):
         PretrainConfig(hidden_size=30, num_heads=4)
+
+
+def test_config_judges_types_and_choices_as_train_does():
+    with pytest.raises(ValueError, match=r"max_steps must be of type int, got '2'"):
+        PretrainConfig.from_dict({"max_steps": "2"})
+    with pytest.raises(ValueError, match="progress_bar must be of type bool"):
+        PretrainConfig(progress_bar=1)
+    with pytest.raises(ValueError, match=r"engine must be one of \['local', 'deepspeed', 'fsdp2'\]"):
+        PretrainConfig(engine="zero")
+    with pytest.raises(ValueError, match="learning_rate must be finite"):
+        PretrainConfig(learning_rate=math.inf)
+    assert PretrainConfig(lora_alpha=16).lora_alpha == 16  # an int fits a float, as in a YAML file
+
+
+def test_a_field_named_as_in_train_is_that_sections_field():
+    """One home per field: the stage's fields that `zcvae train` has too take their type, choices and help from the
+    section, so the two cannot drift apart (they did: the stage's flags had no --help text)."""
+    own = {"lora_alpha"}  # a float, as peft takes it and the stage's summaries record it; train's is an int
+    shared = [f for f in dataclasses.fields(PretrainConfig) if f.name in FLAT_KEYS and f.name not in own]
+    assert len(shared) == 27
+    hints = typing.get_type_hints(PretrainConfig)
+    for f in shared:
+        section = SECTIONS[FLAT_KEYS[f.name]]
+        source = next(g for g in dataclasses.fields(section) if g.name == f.name)
+        assert f.metadata["section"] is section, f.name
+        assert hints[f.name] == typing.get_type_hints(section)[f.name], f.name
+        assert f.metadata.get("choices") == source.metadata.get("choices"), f.name
+    with pytest.raises(ValueError, match="ModelSection has no field 'lora_rank'"):
+        shared_option(ModelSection, "lora_rank")
+
+
+def test_every_pretrain_flag_says_what_it_does():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["pretrain"]
+    flags = [a for a in sub._actions if a.dest in {f.name for f in dataclasses.fields(PretrainConfig)}]
+    assert len(flags) == len(dataclasses.fields(PretrainConfig))
+    bare = [a.option_strings[0] for a in flags if not a.help.split(" (default:")[0].strip()]
+    assert not bare, f"flags without help text: {bare}"
+    engine = next(a for a in flags if a.dest == "engine")
+    assert engine.choices == ["local", "deepspeed", "fsdp2"]
 
 
 def test_mix_templates_keeps_the_span_and_picks_rows():
