@@ -4,8 +4,8 @@ The sections are nested dataclasses (data, model, objective, optimization, engin
 ``run_config.json`` writes them. Every field of every section is also a flat key, named once across the
 sections: the CLI flag in kebab case (``token_weight_alpha`` -> ``--token-weight-alpha``), the flat YAML
 key and the run-name field. A config file may give keys flat, in sections, or both
-(:func:`flat_values`); ``run_config.json`` files written before the sections (one flat mapping) still
-load, so old run directories resume. The typed sub-configs the library needs
+(:func:`flat_values`); a ``run_config.json`` whose ``config`` is one flat mapping (the first layout) still
+loads, so old run directories resume. The typed sub-configs the library needs
 (:class:`~zcvae.core.losses.ReconstructionLossConfig`, :class:`~zcvae.model.config.ModelConfig`,
 :class:`~zcvae.engines.EngineConfig`) are built from their sections in one place, here.
 
@@ -308,8 +308,8 @@ class TrainConfig(StrictDataclass):
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config", default_preset: str | None = None) -> "TrainConfig":
         """Build from a dict of the fields that were *given*, flat, in sections or both (:func:`flat_values`);
         the objective is resolved by :func:`expand_objective`, with ``default_preset`` under the given fields
-        when they name no objective (so a dict must hold only what a user set, not a full default dict). Reads run_config.json's ``config`` of both layouts: nested, and flat as written
-        before the sections."""
+        when they name no objective (so a dict must hold only what a user set, not a full default dict). Reads run_config.json's ``config`` of both layouts: nested, and one flat
+        mapping."""
         values = flat_values(values, source=f"{source}")
         check_types(cls, values, source=source)
         return cls.from_flat(expand_objective(values, default=default_preset))
@@ -317,7 +317,7 @@ class TrainConfig(StrictDataclass):
     @classmethod
     def from_flat(cls, values: Mapping[str, Any] | None = None, /, **kwargs: Any) -> "TrainConfig":
         """Build from flat keys as given (``TrainConfig.from_flat(max_steps=10)``), without resolving an
-        objective preset: what constructing the flat dataclass did before the sections."""
+        objective preset (library use and tests)."""
         given = flat_values({**(values or {}), **kwargs}, source="TrainConfig")
         grouped: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         for key, value in given.items():

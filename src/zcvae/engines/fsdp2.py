@@ -138,12 +138,11 @@ class FSDP2Engine(EngineBase):
         offload_policy = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if config.cpu_offload else OffloadPolicy()
         for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-        # The root keeps FSDP2's default (its parameters stay gathered from forward to backward). It
-        # used to be resharded after every forward, and step() checked that no trainable parameter had
-        # lost requires_grad, both for peft's disable_adapter(), which sets requires_grad on whichever
-        # parameter object is registered when it exits (here the temporary unsharded copy). Nothing
-        # calls it any more: the reference forward uses ZCVAE's adapters_disabled, which flips only
-        # the tuner layers' own flags, so the guards went (saving one all-gather per backward).
+        # The root keeps FSDP2's default (its parameters stay gathered from forward to backward). That is
+        # safe because nothing calls peft's disable_adapter(), which sets requires_grad on whichever
+        # parameter object is registered when it exits (here it would be the temporary unsharded copy):
+        # the reference forward uses hf_compat's adapters_disabled, which flips only the tuner layers' own
+        # flags. Resharding the root after every forward would cost one all-gather per backward.
         fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for m in self._fsdp_modules:

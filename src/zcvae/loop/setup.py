@@ -3,7 +3,7 @@ evaluation): each named, timed, reported while it runs, and stoppable by SIGTERM
 
 At scale, loading a backbone and its reference pass take many minutes before step 1, and evaluation takes
 minutes between steps. The step loop's preemption (``guards.StepGuard``) agrees on a stop at a step
-boundary, which these phases do not have, so a signal there used to wait for step 1, i.e. until the
+boundary, which these phases do not have: a signal there would wait for step 1, i.e. until the
 scheduler's SIGKILL. Here instead:
 
 * ``with phases.phase("the reference pass"):`` names what runs; a phase over :data:`REPORT_AFTER_S`
