@@ -538,13 +538,7 @@ def parse_train_run_name(name: str) -> dict[str, Any]:
 def validate(config: TrainConfig) -> None:
     """Cross-field rules in one place; ValueError names the field by its flat key (the flag and YAML key)."""
     cfg = types.SimpleNamespace(**config.to_dict())  # the rules read the flat view, as their messages name it
-    for f in flat_fields():
-        choices = f.metadata.get("choices")
-        value = getattr(cfg, f.name)
-        if choices and value not in choices and not (value is None and f.default is None):
-            raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{f.name} must be finite, got {value!r}")
+    check_field_values(flat_fields(), config.to_dict())
     positive = ("num_latents", "latent_dim", "num_z_slots", "num_latent_samples", "lora_r", "max_steps",
                 "micro_batch_size", "gradient_accumulation_steps", "num_train_examples", "num_val_examples",
                 "log_every", "keep_last_checkpoints", "kl_cycles")
@@ -629,6 +623,17 @@ def validate(config: TrainConfig) -> None:
         # ZeRO-3 and FSDP2 hold a shard of each parameter outside autograd's reach: no per-term gradient to read
         raise ValueError(f"grad_probe_every needs engine local (one process or DDP), got engine {cfg.engine!r}; "
                          f"probe a run with --engine local, or set grad_probe_every 0")
+
+
+def check_field_values(fields: Iterable[dataclasses.Field], values: Mapping[str, Any]) -> None:
+    """ValueError naming the field for a value outside the field's ``choices`` (None passes where it is the
+    default) and for a float that is not finite."""
+    for f in fields:
+        choices, value = f.metadata.get("choices"), values[f.name]
+        if choices and value not in choices and not (value is None and f.default is None):
+            raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be finite, got {value!r}")
 
 
 def check_types(cls, values: dict[str, Any], *, source: str = "config") -> None:

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from zcvae.config import (DataSection, EngineSection, EvaluationSection, ModelSection, OptimizationSection, RunSection,
-                          check_types, option, shared_option)
+                          check_field_values, check_types, option, shared_option)
 from zcvae.data.encoding import TemplateLayout
 from zcvae.strict import StrictDataclass
 
@@ -99,13 +98,7 @@ class PretrainConfig(StrictDataclass):
     def __post_init__(self) -> None:
         # types as `zcvae train` judges them (a bool is not an int, "3" not a number), then the choices a field carries
         check_types(PretrainConfig, self.to_dict(), source="PretrainConfig")
-        for f in fields(self):
-            choices = f.metadata.get("choices")
-            value = getattr(self, f.name)
-            if choices and value not in choices and not (value is None and f.default is None):
-                raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{f.name} must be finite, got {value!r}")
+        check_field_values(fields(self), self.to_dict())
         if self.task is not None and self.train_data is not None:
             raise ValueError("task and train_data are exclusive: give a built-in task or a JSONL path, not both")
         if self.val_data is not None and self.train_data is None:
