@@ -191,6 +191,19 @@ def test_11_yaml_values_are_type_checked_naming_the_field(tiny_backbone, tmp_pat
     assert (cfg.objective.kl_weight, cfg.optimization.max_grad_norm, cfg.objective.zfree_reference_scale) == (1, None, 2)
 
 
+def test_11_pretrain_values_are_type_checked_naming_the_file_and_field(tmp_path, capsys, env):
+    bad = tmp_path / "stage.yaml"
+    pretrain = ("pretrain", "--config", bad, "--output-dir", tmp_path / "stage")
+    bad.write_text('max_steps: "two"\n')
+    refused(*zcvae(capsys, *pretrain), "stage.yaml", "max_steps", "int", "'two'")
+    bad.write_text("engine: zero3\n")
+    refused(*zcvae(capsys, *pretrain), "stage.yaml", "engine", "'local', 'deepspeed', 'fsdp2'")
+    bad.write_text("max_step: 2\n")
+    refused(*zcvae(capsys, *pretrain), "stage.yaml", "unknown keys ['max_step']")
+    refused(*zcvae(capsys, "pretrain", "--warmup-steps", "-1", "--output-dir", tmp_path / "stage"), "command line", "warmup_steps")
+    assert not (tmp_path / "stage").exists()
+
+
 def test_missing_config_file_is_refused(tmp_path, capsys, env):
     refused(*zcvae(capsys, "train", "--config", tmp_path / "nope.yaml"), "nope.yaml", "does not exist")
 

@@ -90,7 +90,11 @@ def _cmd_pretrain(args) -> int:
     values = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(PretrainConfig)}}
     if getattr(args, "config", None):
         values = {**load_config_file(args.config), **values}
-    pretrain(PretrainConfig.from_dict(values))
+    try:
+        cfg = PretrainConfig.from_dict(values)
+    except ValueError as err:  # name where the values came from, as `zcvae train` does
+        raise ValueError(f"{args.config or 'command line'}: {err}") from None
+    pretrain(cfg)
     return 0
 
 
