@@ -23,8 +23,9 @@ class PretrainConfig(StrictDataclass):
     """How to pretrain the backbone: one flat field per ``zcvae pretrain`` flag and ``--config`` key.
 
     A field that ``zcvae train`` has too (same name) is that section field (:func:`zcvae.config.shared_option`):
-    its type, choices and help come from there, with the stage's own default and, where the stage reads it
-    otherwise, its own help. ``from_dict`` rejects unknown keys; values are checked on creation."""
+    its choices and help come from there (the annotation, written again here, is kept equal by a test), with the
+    stage's own default and, where the stage reads it otherwise, its own help. ``from_dict`` rejects unknown keys;
+    values are checked on creation, types by the same ``check_types`` as ``zcvae train``'s."""
 
     task: str | None = shared_option(DataSection, "task")
     train_data: str | None = shared_option(DataSection, "train_data")
