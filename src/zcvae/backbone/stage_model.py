@@ -69,12 +69,12 @@ def load_backbone_for_finetune(config: PretrainConfig):
     untied head alike), dropout off. With LoRA the new rows train as peft trainable tokens, so every
     other row stays bitwise frozen; with ``full_finetune`` everything trains.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from zcvae.backbone.convert import conversion_record, file_sha256, is_gguf_path, resolve_backbone_path
     from zcvae.model.build import check_backbone_files, head_is_tied, init_new_rows
-    from zcvae.model.hf_compat import disable_dropout, position_limit
+    from zcvae.model.hf_compat import disable_dropout, lora_wrapped, position_limit
     from zcvae.reference.store import fingerprint_backbone
 
     source = config.backbone
@@ -135,9 +135,7 @@ def load_backbone_for_finetune(config: PretrainConfig):
         fan_in_fan_out=model_type == "gpt2",  # GPT-2 uses Conv1D (transposed weights)
         trainable_token_indices=trainable if added else None,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)  # LoRA A matrices are drawn from the global RNG inside peft
-        model = get_peft_model(model, lora)
+    model = lora_wrapped(model, lora, seed=config.seed)
     record["lora"] = {"r": config.lora_r, "alpha": config.lora_alpha, "target_modules": config.lora_target_modules or "all-linear"}
     return model, tokenizer, tokens, record
 

@@ -224,7 +224,7 @@ def attach_lora(model: nn.Module, config: ModelConfig, *, tokenizer, tokens: Tem
     with ``train_fresh_markers``, the markers the backbone lacked), so only those rows train (a small
     delta parameter; the matrix itself stays frozen, so every other row is bitwise unchanged, weight
     decay included). LoRA A is drawn from ``seed``, not from the global RNG state."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     model_type = getattr(model.config, "model_type", "")
     vocab = tokenizer.get_vocab()
@@ -238,9 +238,7 @@ def attach_lora(model: nn.Module, config: ModelConfig, *, tokenizer, tokens: Tem
         fan_in_fan_out=model_type == "gpt2",  # GPT-2 uses Conv1D (transposed weights)
         trainable_token_indices=trainable_token_indices(model, latents=tokens.latents, fresh_markers=fresh),
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)  # LoRA A matrices are drawn from the global RNG inside peft
-        peft_model = get_peft_model(model, lora)
+    peft_model = hf_compat.lora_wrapped(model, lora, seed=seed)
     # Trainable parts keep float32 masters whatever the base dtype (peft copies the z rows in the
     # embedding's dtype); with a float32 base this changes nothing.
     for p in peft_model.parameters():

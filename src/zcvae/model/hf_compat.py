@@ -21,6 +21,8 @@ peft
     embedding path (``F.embedding`` with the base layer's options, then the scale) and a linear path
     without a bias, which zcvae replaces with a base read plus a correction (``copy_free_token_layers``).
     ``peft_config[active_adapter]``: the LoRA config a model was built with (``adapter_config``).
+    ``get_peft_model`` drawing LoRA A from the global RNG, and ``PeftModel.__init__`` (peft 0.21) reading
+    transformers' deprecated ``is_gradient_checkpointing``, a FutureWarning on every build (``lora_wrapped``).
     ``LoraLayer`` casting its input through ``BaseTunerLayer._cast_input_dtype(x, dtype)`` once per layer
     (peft 0.15+), which zcvae shares between the layers that read one hidden state (``share_lora_input_casts``).
     LoRA's initialisation order (``lora_initial_values``): per LoRA layer, in module order,
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -78,6 +81,7 @@ __all__ = [
     "lm_cache_kwarg",
     "lm_decoder",
     "lora_initial_values",
+    "lora_wrapped",
     "no_split_module_names",
     "position_limit",
     "recorded_kv",
@@ -318,6 +322,19 @@ def cache_kwarg(forward_params: frozenset[str]) -> str:
     """The keyword that passes a cache to a forward with these parameter names."""
     # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes in 5.40).
     return "cache" if "cache" in forward_params else "past_key_values"
+
+
+def lora_wrapped(model: nn.Module, lora_config, *, seed: int) -> nn.Module:
+    """``peft.get_peft_model(model, lora_config)`` with LoRA A drawn from ``seed``, not from (and without
+    moving) the global RNG state, so that a run's adapters depend on its seed alone."""
+    from peft import get_peft_model
+
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` when it wraps a model: a
+        # FutureWarning on every run that no zcvae user can act on
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        torch.manual_seed(seed)
+        return get_peft_model(model, lora_config)
 
 
 def lora_initial_values(peft_model: nn.Module, *, seed: int) -> dict[tuple[nn.Module, str], torch.Tensor]:

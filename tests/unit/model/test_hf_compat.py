@@ -430,3 +430,28 @@ def test_under_autocast_a_lora_layer_reads_its_bf16_input_as_it_is(tiny_llama):
     assert own_saved - saved >= L * 2 * tokens * H * 2, (own_saved, saved)
     for n in grads:
         torch.testing.assert_close(grads[n], own_grads[n], rtol=2e-2, atol=2e-2 * own_grads[n].abs().max().item())
+
+
+def test_lora_wrapped_draws_lora_from_its_seed_keeps_the_global_rng_and_is_quiet(tiny_llama):
+    import warnings
+
+    from peft import LoraConfig
+
+    def lora_a(lm, seed: int) -> dict[str, torch.Tensor]:
+        config = LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+        model = hf_compat.lora_wrapped(lm, config, seed=seed)
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
+
+    lms = [tiny_llama(V) for _ in range(3)]
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = lora_a(lms[0], seed=5)
+    assert torch.equal(torch.rand(3), expected_next), "lora_wrapped moved the global RNG state"
+    again, other = lora_a(lms[1], seed=5), lora_a(lms[2], seed=6)
+    assert first and all(torch.equal(first[n], again[n]) for n in first), "the same seed must give the same LoRA A"
+    assert any(not torch.equal(first[n], other[n]) for n in first), "another seed must give another LoRA A"
+    noisy = [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)]
+    assert not noisy, f"peft's wrap warned about transformers' deprecated flag: {noisy}"

@@ -230,6 +230,19 @@ def test_real_lm_default_user_late_family_is_the_sort3_stage_on_the_user_late_da
     assert runs[0].pretrain["backbone"] == "smollm2" and runs[0].pretrain["train_data"] == user["base"]["train_data"]
 
 
+def test_real_lm_user_late_recipe_family_is_the_default_family_with_the_late_decisions_preset(tmp_path):
+    """real-lm-user-late-recipe.yaml runs the verdict's next step where the default merges on SmolLM2 `late`: the
+    same stage and run settings as real-lm-default-user-late.yaml, plus exactly the shipped preset's fields."""
+    default = load_family(ROOT / "launch" / "families" / "real-lm-default-user-late.yaml")
+    recipe = load_family(ROOT / "launch" / "families" / "real-lm-user-late-recipe.yaml")
+    preset = yaml.safe_load((ROOT / "src" / "zcvae" / "presets" / "late-decisions.yaml").read_text())
+    assert recipe["pretrain"] == default["pretrain"] and recipe["grid"] == default["grid"]
+    assert {k: v for k, v in recipe["base"].items() if k not in preset} == {k: v for k, v in default["base"].items() if k not in preset}
+    assert {k: recipe["base"][k] for k in preset} == preset
+    runs = local_plan(recipe, output_dir=tmp_path)
+    assert len(runs) == 3 and {r.params["backbone"] for r in runs} == {str(tmp_path / "entangled-late-train")}
+
+
 def test_late_family_arm_is_the_shipped_recipe():
     recipe = yaml.safe_load((ROOT / "launch" / "configs" / "late-decisions.yaml").read_text())
     fam = load_family(ROOT / "launch" / "families" / "real-lm-late.yaml")
