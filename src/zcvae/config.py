@@ -233,6 +233,14 @@ def flat_fields() -> list[dataclasses.Field]:
     return [f for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
 
 
+def config_fields(cls) -> tuple[list[dataclasses.Field], dict[str, Any]]:
+    """(fields, name -> type annotation) of a config class, one per flat key: TrainConfig's are its sections'
+    fields (:func:`flat_fields`), any other dataclass's (the stage's PretrainConfig) its own."""
+    if cls is TrainConfig:
+        return flat_fields(), {k: v for s in SECTIONS.values() for k, v in typing.get_type_hints(s).items()}
+    return list(dataclasses.fields(cls)), typing.get_type_hints(cls)
+
+
 def field_defaults() -> dict[str, Any]:
     """Flat key -> its field's default (``objective`` None: unresolved), the defaults run names are read against."""
     return {f.name: f.default for f in flat_fields()}
@@ -643,8 +651,7 @@ def check_types(cls, values: dict[str, Any], *, source: str = "config") -> None:
     number."""
     from pydantic import TypeAdapter, ValidationError
 
-    hints = ({k: v for s in SECTIONS.values() for k, v in typing.get_type_hints(s).items()} if cls is TrainConfig
-             else typing.get_type_hints(cls))
+    hints = config_fields(cls)[1]
     for name, value in values.items():
         if name not in hints:
             continue

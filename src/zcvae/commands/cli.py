@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any
 
-from zcvae.config import DEFAULT_PRESET, SECTIONS, TrainConfig, flat_fields, flat_values, load_config_file
+from zcvae.config import DEFAULT_PRESET, TrainConfig, config_fields, flat_values, load_config_file
 
 
 def _base_type(tp) -> tuple[Any, bool]:
@@ -27,16 +27,9 @@ def _base_type(tp) -> tuple[Any, bool]:
     return tp, False
 
 
-def _config_fields(cls) -> tuple[list[dataclasses.Field], dict[str, Any]]:
-    """(fields, type hints) of a config class: TrainConfig's flat keys (its sections' fields), else its fields."""
-    if cls is TrainConfig:
-        return flat_fields(), {k: v for s in SECTIONS.values() for k, v in typing.get_type_hints(s).items()}
-    return list(dataclasses.fields(cls)), typing.get_type_hints(cls)
-
-
 def add_config_flags(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
     """One flag per dataclass field; defaults are SUPPRESSed so we can tell what the user set."""
-    fields, hints = _config_fields(cls)
+    fields, hints = config_fields(cls)
     for f in fields:
         scalar, is_list = _base_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
@@ -59,7 +52,7 @@ def resolve_train_config(args: argparse.Namespace, cls=TrainConfig):
         # flat keys, sections or both (zcvae.config.flat_values); a flag given too wins over the file
         raw = load_config_file(args.config)
         values.update(flat_values(raw, source=f"config file {args.config}") if cls is TrainConfig else raw)
-    field_names = {f.name for f in _config_fields(cls)[0]}
+    field_names = {f.name for f in config_fields(cls)[0]}
     values.update({k: v for k, v in vars(args).items() if k in field_names})
     # no objective and no weight given: `zcvae train` runs the default preset, not the library's raw 1.0
     return cls.from_dict(values, source=args.config or "command line", default_preset=DEFAULT_PRESET)
