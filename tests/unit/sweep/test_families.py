@@ -172,6 +172,24 @@ def test_aggregation_family_is_seed_000s_four_arm_ablation():
         assert abs(mean_n - c) < 1.0, (task, mean_n)
 
 
+def test_the_tokcc_screen_is_the_default_against_the_default_with_tokcc_in_place_of_tok():
+    """default-tokcc-mul.yaml states the default's fields rather than leaving them to the preset (it sets term
+    weights, which turn the preset off): its first arm must be the no-flag default, field for field, and its second
+    the same with the tok weight moved to tokcc."""
+    from zcvae.config import DEFAULT_PRESET, load_config_file
+
+    default = TrainConfig.from_dict({"task": "mul", "num_latents": 3, **load_config_file(DEFAULT_PRESET)}).to_dict()
+    arms = {(c.objective.token_weighted_reconstruction_weight,
+             c.objective.normalized_concentration_corrected_token_weighted_reconstruction_weight): c.to_dict()
+            for c in _trained(FAMILIES / "default-tokcc-mul.yaml") if c.optimization.seed == 0}
+    assert set(arms) == {(1.0, 0.0), (0.0, 1.0)}
+    for (tok, tokcc), cfg in arms.items():
+        swapped = {"token_weighted_reconstruction_weight": tok,
+                   "normalized_concentration_corrected_token_weighted_reconstruction_weight": tokcc}
+        differ = {k for k in default if k in load_config_file(DEFAULT_PRESET) or k.endswith("_weight") or k == "token_weight_alpha"}
+        assert {k: cfg[k] for k in differ} == {**{k: default[k] for k in differ}, **swapped}, (tok, tokcc)
+
+
 def test_the_default_families_run_the_no_flag_default_and_the_user_families_the_former_one():
     """default.yaml, default-add-search.yaml, user-*-default.yaml, k-spare-default.yaml, real-lm-default.yaml, real-lm-default-late.yaml and real-lm-default-user-late.yaml give no objective, so each run is the default preset, as `zcvae
     train` resolves it from the rendered arguments; user-late.yaml and user-ambiguous.yaml, whose runs the
