@@ -121,6 +121,9 @@ def test_collapsed_raw_run_without_labels_suggests_the_default_objective():
     recipe = _config(posterior_pooling="mean", router_support_weight=1.0, reconstruction_weight_scale="tokens")
     assert "--max-steps 900" in verdict_of(metrics, recipe)["next_step"] and "--config late-decisions" in verdict_of(metrics, recipe)["next_step"]
     assert f"--max-steps {LONGER_RUN * 40}" in verdict_of(metrics, {**recipe, "max_steps": 40})["next_step"]
+    # a collapsed sum-mode run with the parts on is pointed to the mean-mode default, not back to itself
+    in_sum = verdict_of(metrics, {**recipe, "reconstruction_loss_token_aggregation_mode": "sum"})["next_step"]
+    assert "--max-steps 900" in in_sum and "--config late-decisions" not in in_sum and f"--config {SUGGESTED_PRESET}" in in_sum
 
 
 def test_merged_run_without_labels_is_in_use_with_a_hedged_next_step():
@@ -208,6 +211,8 @@ def test_merged_run_with_labels_names_the_pair_and_the_recipe():
     sum_recipe = verdict_of(metrics, _config(num_latents=3, objective="raw+dist", posterior_pooling="mean", router_support_weight=1.0,
                                         reconstruction_loss_token_aggregation_mode="sum"))
     assert "are on already" in sum_recipe["next_step"]
+    # ... and its next step is the other variant, the mean-mode default, not the preset the run already is
+    assert "--config late-decisions" not in sum_recipe["next_step"] and f"--config {SUGGESTED_PRESET}" in sum_recipe["next_step"]
     # fewer latents than strategies: the merge is forced, and K is what to change
     rows = [("a", _sharp(0, 2))] * 4 + [("b", _sharp(1, 2))] * 4 + [("c", _sharp(1, 2))] * 4
     forced = verdict_of(_run_metrics(rows, num_latents=2), _config())
