@@ -224,8 +224,8 @@ def _late_recipe(config: Mapping[str, Any]) -> bool:
 def _other_late_variant(config: Mapping[str, Any]) -> str:
     """The late-decision variant that the run is not: the sum-mode preset for a mean-mode run, the mean-mode
     default for a sum-mode one (suggesting the preset a run already is would send the user round in a circle: on
-    SmolLM2's user family late, the sum-mode preset that the verdict names for the default's merges merged one seed
-    of two itself; docs/results/real-lm.md)."""
+    SmolLM2's user family late, the sum-mode preset that the verdict names where the default merges left a seed mixed
+    itself; docs/results/real-lm.md)."""
     if config.get("reconstruction_loss_token_aggregation_mode") == "sum":
         return (f"the mean-mode default (no objective flag, or --config {SUGGESTED_PRESET}: {DEFAULT_OBJECTIVE}, which weights "
                 f"each example's decision tokens whatever its length)")
