@@ -264,3 +264,17 @@ def test_a_local_run_launches_exactly_what_its_slurm_job_launches(tmp_path):
         assert train_command(run, progress_bar=True) == [sys.executable, "-m", "zcvae", "train", *recover_train_args(script)]
         assert train_command(run, progress_bar=False)[-1] == "--no-progress-bar"
         assert "--resume" in train_command(run, progress_bar=True)
+
+
+def test_real_lm_raw_budget_family_is_the_copy_study_at_the_tiny_models_budget(tmp_path):
+    """real-lm-raw-budget.yaml asks the dilution question on the copy study's stage (one reference for both): raw mean
+    at 300 steps of 64 examples, checkpointed often enough that an interrupted run loses little."""
+    copy = load_family(ROOT / "launch" / "families" / "real-lm-copy.yaml")
+    budget = load_family(ROOT / "launch" / "families" / "real-lm-raw-budget.yaml")
+    assert budget["pretrain"] == copy["pretrain"]
+    runs = local_plan(budget, output_dir=tmp_path)
+    assert len(runs) == 1 and runs[0].params["backbone"] == str(tmp_path / "entangled-copy")
+    p = runs[0].params
+    assert (p["objective"], p["reconstruction_loss_token_aggregation_mode"], p["task"]) == ("raw", "mean", "copy")
+    assert p["max_steps"] == 300 and p["micro_batch_size"] * p["gradient_accumulation_steps"] == 64
+    assert 0 < p["save_every"] <= 10
