@@ -212,3 +212,21 @@ def test_the_default_families_run_the_no_flag_default_and_the_user_families_the_
         for cfg in _trained(FAMILIES / f"{name}.yaml"):
             assert (cfg.objective.objective, cfg.objective.reconstruction_weight_scale, cfg.model.posterior_pooling,
                     cfg.objective.router_support_weight) == ("raw+dist", "none", "last", 0.0), name
+
+
+def test_verdict_next_step_family_is_the_late_decisions_preset():
+    """verdict-next-step.yaml states the preset the verdict names for a merged default run: each run must resolve,
+    field for field, to `zcvae train --config late-decisions` with the family's task, K and run settings."""
+    from zcvae.config import load_config_file
+
+    preset = load_config_file("late-decisions")
+    settings = {k: v for k, v in load_family(FAMILIES / "verdict-next-step.yaml")["base"].items() if k not in preset}
+    cfgs = _trained(FAMILIES / "verdict-next-step.yaml")
+    assert {(c.data.task, c.optimization.seed) for c in cfgs} == {(t, s) for t in ("mul", "sort3") for s in (0, 1, 2)}
+    for cfg in cfgs:
+        args = ["train", "--config", "late-decisions", "--seed", str(cfg.optimization.seed), "--task", cfg.data.task]
+        args += [arg for key, value in settings.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
+        expected = resolve_train_config(build_parser().parse_args(args)).to_dict()
+        # what the sweep sets around the run: its name and directory, and --resume auto
+        around = {"run_name", "output_dir", "resume"}
+        assert {k: v for k, v in cfg.to_dict().items() if k not in around} == {k: v for k, v in expected.items() if k not in around}
