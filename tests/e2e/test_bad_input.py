@@ -305,6 +305,16 @@ def test_14_resume_names_the_changed_latent_field(flags, words, run, tiny_backbo
     assert tree_hashes(run) == before
 
 
+def test_14_resume_on_another_training_set_is_refused(run, tiny_backbone, capsys, env):
+    """Half the training examples (the validation split, and so c_base, unchanged): the run would go on with other
+    data while run_config.json claims it throughout; the error names the setting that moved, and nothing is written."""
+    before = tree_hashes(run)
+    flags = [*TRAIN, "--max-steps", "9", "--resume", "auto", "--num-train-examples", "16"]  # the last value wins
+    rc, out = zcvae(capsys, "train", "--backbone", tiny_backbone, "--output-dir", run, *flags)
+    refused(rc, out, "training data changed", "trained on 32 examples", "this run has 16", "num_train_examples 32 -> 16")
+    assert tree_hashes(run) == before
+
+
 # --------------------------------------------------------------------------- 15, 16. damaged checkpoints
 def test_15_resume_auto_falls_back_past_a_corrupt_checkpoint(run, tiny_backbone, copy_of, capsys, env):
     run_dir = copy_of(run)

@@ -60,7 +60,7 @@ from zcvae.backbone.stage_eval import decoding_report, evaluate_nll
 from zcvae.backbone.stage_model import build_tiny_model, load_backbone_for_finetune, merged_model
 from zcvae.core.schedule import lr_multiplier
 from zcvae.cpu import cpu_threads, flush_denormals
-from zcvae.data.encoding import collate
+from zcvae.data.encoding import collate, encoded_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +112,10 @@ _RUN_STATE = ("checkpoints", "metrics.jsonl", "tensorboard")
 
 
 def _prepare_output_dir(run_dir: Path, *, resume: bool, is_main: bool) -> None:
-    """Make ``run_dir`` ready for the stage. The summary goes first, so ``is_pretrained`` is False from
-    here until the new checkpoint is complete. Without ``resume`` an earlier stage there (finished or
-    not) is replaced, as before; a directory that holds no stage is refused, not deleted."""
+    """Make ``run_dir`` ready for the stage. Without ``resume`` the summary goes first, so ``is_pretrained`` is False
+    from here until the new checkpoint is complete, and an earlier stage there (finished or not) is replaced; with
+    ``resume`` the summary goes once the checkpoint is found compatible (``_train``), so a refused resume leaves the
+    stage as it was. A directory that holds no stage is refused, not deleted."""
     from zcvae.distributed import barrier
     from zcvae.runs.lock import LOCK_FILE
 
@@ -125,13 +126,14 @@ def _prepare_output_dir(run_dir: Path, *, resume: bool, is_main: bool) -> None:
         raise ValueError(f"output_dir {str(run_dir)!r} holds other files ({', '.join(entries[:4])}), not a pretraining stage: "
                          f"choose another --output-dir")
     barrier()  # every rank has looked before rank 0 changes anything, so all take the same decision
-    if is_main:
+    if is_main and not resume:
         (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
-        if not resume and entries:
+        if entries:
             logger.info(f"[pretrain] replacing the earlier stage in {run_dir}")
             for name in entries:
                 path = run_dir / name
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
 
 
@@ -217,13 +219,14 @@ def _build_engine(config: PretrainConfig, model):
     return engine, groups
 
 
-def _resume(config: PretrainConfig, *, engine, checkpoints, run_dir: Path, is_main: bool) -> int:
-    """The step to start from: 0, or that of the checkpoint ``config.resume`` names (loaded into ``engine``)."""
+def _resume(config: PretrainConfig, *, engine, checkpoints, run_dir: Path, train_data: dict, is_main: bool) -> int:
+    """The step to start from: 0, or that of the checkpoint ``config.resume`` names (loaded into ``engine``; refused
+    when ``train_data``, the training set's fingerprint, is not the checkpoint's)."""
     from zcvae.runs.rundir import METRICS, truncate_metrics
 
     if config.resume is None:
         return 0
-    state = checkpoints.load(engine, config.resume, config=config, c_base=None)
+    state = checkpoints.load(engine, config.resume, config=config, c_base=None, train_data=train_data)
     start_step = state["step"]
     if start_step > config.max_steps:
         raise ValueError(f"resume: checkpoint {state['checkpoint']!r} is at step {start_step}, past max_steps {config.max_steps}; "
@@ -247,7 +250,10 @@ def _train(config: PretrainConfig, stage: _Stage, *, engine, groups, micro_batch
     train_all = collate(stage.train, stage.tokens)
     global_batch = micro_batch_size * config.gradient_accumulation_steps * world_size
     checkpoints = CheckpointManager(run_dir / CHECKPOINTS, keep=config.keep_last_checkpoints, is_main=is_main)
-    start_step = _resume(config, engine=engine, checkpoints=checkpoints, run_dir=run_dir, is_main=is_main)
+    train_data = encoded_fingerprint(stage.train)
+    start_step = _resume(config, engine=engine, checkpoints=checkpoints, run_dir=run_dir, train_data=train_data, is_main=is_main)
+    if is_main:  # a resume the checkpoint accepted: from here the stage's files change (a fresh stage removed it already)
+        (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
     run_logger = _StageLogger(RunLogger(run_dir, enabled=is_main), max_steps=config.max_steps)
     results: dict = {}
 
@@ -276,7 +282,7 @@ def _train(config: PretrainConfig, stage: _Stage, *, engine, groups, micro_batch
              peak_lrs=[g["lr"] for g in groups], group_names=[g["name"] for g in groups],
              lr_factor=lambda step: lr_multiplier(step, warmup_steps=config.warmup_steps, max_steps=config.max_steps,
                                                   min_lr_ratio=config.min_lr_ratio),
-             start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": config, "c_base": None},
+             start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": config, "c_base": None, "train_data": train_data},
              evaluate=run_eval, run_logger=run_logger, signals=signals, cpu_threads=follower)
     train_time = time.perf_counter() - train_start
     # CPU seconds of this process: on a shared machine, a steadier measure of cost than wall time.

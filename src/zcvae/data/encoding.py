@@ -27,6 +27,8 @@ Shape legend: B batch, T z-free sequence length, S z-conditioned sequence length
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, ClassVar
 
@@ -278,6 +280,17 @@ class EncodedExample:
     @property
     def num_supervised(self) -> int:
         return len(self.y_ids) + 1  # y tokens plus </y>
+
+
+def encoded_fingerprint(examples: list[EncodedExample]) -> dict[str, object]:
+    """``{"fingerprint", "num_examples"}`` of the encoded examples a run trains on, in order (id, x and y token ids,
+    strategy): what a checkpoint records so that a resume on other training data is refused rather than continued.
+    Encoded, not raw, so a change that alters which examples fit ``max_length`` or how they tokenize counts too."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(f"{ex.id}\x00{ex.strategy}\x00".encode())
+        h.update(array("q", ex.x_ids).tobytes() + b"\x01" + array("q", ex.y_ids).tobytes() + b"\x02")
+    return {"fingerprint": h.hexdigest(), "num_examples": len(examples)}
 
 
 @dataclass

@@ -28,7 +28,8 @@ writes the manifest of files the other ranks wrote.
 What may change on resume: ``max_steps``, logging and evaluation settings, the world size for the
 local and FSDP2 engines (DDP replicas hold full state; DCP reshards). What is refused, with a ValueError
 naming both values: a changed ``reconstruction_loss_token_aggregation_mode``, ``reconstruction_loss_sum_scale``
-or c_base fingerprint (the objective would silently change), a different engine, a DeepSpeed world size change (ZeRO partitions
+or c_base fingerprint (the objective would silently change), another training set (the fingerprint of the encoded
+training examples, naming the settings that moved), a different engine, a DeepSpeed world size change (ZeRO partitions
 do not reshard), and a changed latent or LoRA shape.
 
 Events: ``CheckpointManager(on_event=f)`` calls ``f("files_written", step)`` after every rank wrote
@@ -87,6 +88,9 @@ STRUCTURAL_FIELDS = (
     "lora_alpha",
     "lora_target_modules",
 )
+# Fields that decide the training examples (a built-in task draws them from the seed): named when a resume finds
+# another training set than its checkpoint's (check_same_train_data).
+TRAIN_DATA_FIELDS = ("task", "train_data", "num_train_examples", "max_length", "seed")
 # Fields that change the objective or what the model computes without changing any shape: a resume may
 # change one only when asked (--resume-allow-change FIELD), and the change is recorded with its step.
 OBJECTIVE_FIELDS = (
@@ -349,11 +353,13 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- save
     def save(self, engine: Any, *, step: int, config: Any, c_base: Any, trainer_state: dict | None = None,
-             trainer_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+             trainer_tensors: dict[str, torch.Tensor] | None = None, train_data: dict | None = None) -> Path:
         """Write checkpoint ``step`` atomically; prune to the newest ``keep``; return its path.
 
         ``trainer_state`` (plain types, into meta.json) and ``trainer_tensors`` (the same on every rank;
         rank 0 writes them) are the objective's own state besides the weights; :meth:`load` returns both.
+        ``train_data``: ``{"fingerprint", "num_examples"}`` of the training set (``encoded_fingerprint``), which
+        :meth:`load` compares.
 
         Any failure (a full disk, a read-only mount, Ctrl-C) removes the ``.tmp`` directory on rank 0 and
         leaves the earlier checkpoints as they were; a full or read-only filesystem becomes a ValueError
@@ -363,7 +369,8 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         tmp = self.path_for(step).with_name(self.path_for(step).name + ".tmp")
         try:
-            return self._save(engine, step=step, config=config, c_base=c_base, trainer_state=trainer_state, trainer_tensors=trainer_tensors)
+            return self._save(engine, step=step, config=config, c_base=c_base, trainer_state=trainer_state, trainer_tensors=trainer_tensors,
+                              train_data=train_data)
         except BaseException as err:
             space = disk_error(err)
             # Ctrl-C and a full or read-only disk: this process lives on, so it tidies up (a crash leaves
@@ -393,7 +400,7 @@ class CheckpointManager:
                 f"the partial checkpoint was removed and the earlier checkpoints are intact. Free space, then resume with --resume auto")
 
     def _save(self, engine: Any, *, step: int, config: Any, c_base: Any, trainer_state: dict | None = None,
-              trainer_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+              trainer_tensors: dict[str, torch.Tensor] | None = None, train_data: dict | None = None) -> Path:
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
         if self.is_main:
@@ -416,6 +423,8 @@ class CheckpointManager:
             "c_base": cb,
             "config": cfg,
         }
+        if train_data:
+            meta["train_data"] = dict(train_data)
         if trainer_state:  # the objective's own state (the KL delay that ends on evidence: where it ended)
             meta["trainer_state"] = trainer_state
         # client_state travels through the engine (weights_only-loadable: plain types only)
@@ -486,7 +495,8 @@ class CheckpointManager:
             raise ValueError(f"resume auto: no checkpoint in {str(self.directory)!r} is loadable: {'; '.join(reasons)}")
         return None, None
 
-    def load(self, engine: Any, source: str | os.PathLike, *, config: Any, c_base: Any, allow_changes: tuple[str, ...] = ()) -> dict[str, Any]:
+    def load(self, engine: Any, source: str | os.PathLike, *, config: Any, c_base: Any, allow_changes: tuple[str, ...] = (),
+             train_data: dict | None = None) -> dict[str, Any]:
         """Restore the engine, this rank's RNG states and the step from ``source``.
 
         ``source``: a checkpoint directory, a run or checkpoints directory (its newest complete
@@ -505,7 +515,7 @@ class CheckpointManager:
             verify_checkpoint(path)
             meta = read_meta(path)
         changes = check_compatible(meta, config=_config_dict(config), c_base=_c_base_dict(c_base), world_size=int(engine.world_size),
-                                   engine=engine, path=path, allow_changes=tuple(allow_changes))
+                                   engine=engine, path=path, allow_changes=tuple(allow_changes), train_data=train_data)
         try:
             client_state = engine.load_checkpoint(str(path / ENGINE_DIR))
         except Exception as err:  # noqa: BLE001 - re-raised with what was saved and what loads it
@@ -536,7 +546,7 @@ class CheckpointManager:
 
 
 def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: dict[str, Any] | None, world_size: int, engine: Any,
-                     path: Path, allow_changes: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+                     path: Path, allow_changes: tuple[str, ...] = (), train_data: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """ValueError, naming the field and both values, when resuming ``meta`` under ``config`` would not
     continue the same training run. Returns the changes of :data:`OBJECTIVE_FIELDS` that
     ``allow_changes`` lets through, as ``{"field", "from", "to", "step"}``."""
@@ -561,6 +571,9 @@ def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: di
             raise ValueError(f"{name} changed: {where} has {saved_cfg[name]!r}, this run {config[name]!r}; the trained parameters do not fit. "
                              f"Resume with --{name.replace('_', '-')} {saved_cfg[name]} or start a new run.")
     changes = objective_changes(saved_cfg, config, allow_changes=allow_changes, where=where, step=int(meta.get("step", 0)))
+    # before c_base: other data changes c_base's fingerprint too where validation changes with it (a built-in task's
+    # seed or size), and blaming "the backbone or the validation data" would hide which setting moved
+    check_same_train_data(meta.get("train_data"), train_data, saved_cfg=saved_cfg, config=config, where=where)
     saved_cb = meta.get("c_base")
     if saved_cb and c_base:
         if saved_cb.get("mode") is not None and c_base.get("mode") is not None and saved_cb["mode"] != c_base["mode"]:
@@ -585,6 +598,23 @@ def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: di
             f"ZeRO optimizer partitions do not reshard. Resume with {saved_world} ranks."
         )
     return changes
+
+
+def check_same_train_data(saved: dict[str, Any] | None, current: dict[str, Any] | None, *, saved_cfg: dict[str, Any],
+                          config: dict[str, Any], where: str) -> None:
+    """ValueError when a checkpoint's training set (its ``encoded_fingerprint``) is not this run's: the run would go
+    on with other examples (or another order of them) while run_config.json claims them for every step. A checkpoint
+    written before the record existed, or a caller without one, is not checked."""
+    if not saved or not current or saved.get("fingerprint") == current.get("fingerprint"):
+        return
+    moved = [f"{k} {saved_cfg[k]!r} -> {config.get(k)!r}" for k in TRAIN_DATA_FIELDS if k in saved_cfg and saved_cfg[k] != config.get(k)]
+    why = "; ".join(moved) if moved else "the same settings: the data file's contents changed"
+    raise ValueError(
+        f"training data changed: {where} was trained on {saved.get('num_examples')} examples (fingerprint "
+        f"{str(saved.get('fingerprint'))[:12]}), this run has {current.get('num_examples')} (fingerprint "
+        f"{str(current.get('fingerprint'))[:12]}): {why}. Resume with the data and settings the checkpoint was trained on, "
+        f"or start a new run in another --output-dir"
+    )
 
 
 def objective_changes(saved_cfg: dict[str, Any], config: dict[str, Any], *, allow_changes: tuple[str, ...], where: str, step: int) -> list[dict[str, Any]]:

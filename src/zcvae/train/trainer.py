@@ -37,7 +37,7 @@ from zcvae.loop import LoopSettings, MicroLoss, RunLogger, run_loop
 from zcvae.loop.guards import StopSignals
 from zcvae.loop.setup import SetupPhases
 from zcvae.core.objective import AuxiliaryWeights, marginal_router_terms, per_example_objective
-from zcvae.data.encoding import collate, encode_examples
+from zcvae.data.encoding import collate, encode_examples, encoded_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _train(cfg: TrainConfig, *, overwrite: bool, allow_changes: tuple[str, ...],
     # 5. resume (or not), then run_config.json
     with phases.phase("resuming from the checkpoint" if cfg.run.resume is not None else "opening the checkpoints"):
         checkpoints, state = _open_checkpoints(cfg, engine=engine, reference=reference, allow_changes=allow_changes,
-                                               is_main=info.rank == 0)
+                                               train_data=data.train_data, is_main=info.rank == 0)
     if state is not None and state["step"] == cfg.optimization.max_steps and state["step"] > 0:
         from zcvae.runs.rundir import final_eval_metrics
 
@@ -179,6 +179,7 @@ class _RunData:
     train_report: object
     val_report: object
     calibration: object  # the batch the router's statistics come from (calibrated through the engine)
+    train_data: dict  # encoded_fingerprint(train_enc): each checkpoint records it, a resume on other data is refused
 
 
 def _load_data_and_model(cfg: TrainConfig, *, cpu: dict) -> _RunData:
@@ -214,7 +215,7 @@ def _load_data_and_model(cfg: TrainConfig, *, cpu: dict) -> _RunData:
     cfg = resolve_scale_factors(cfg, mean_num_tokens=float(np.mean([ex.num_supervised for ex in val_enc])))
     calibration = collate(train_enc[: min(len(train_enc), 256)], model.tokens, num_z_slots=num_slots)
     return _RunData(cfg=cfg, splits=splits, backbone=backbone, health=health, model=model, train_enc=train_enc, val_enc=val_enc,
-                    train_report=train_report, val_report=val_report, calibration=calibration)
+                    train_report=train_report, val_report=val_report, calibration=calibration, train_data=encoded_fingerprint(train_enc))
 
 
 def report_encoding(name: str, report) -> None:
@@ -231,7 +232,7 @@ def report_encoding(name: str, report) -> None:
                              f"example {report.unknown_example!r}): the backbone's tokenizer does not fit the data")
 
 
-def _open_checkpoints(cfg: TrainConfig, *, engine, reference, allow_changes, is_main: bool):
+def _open_checkpoints(cfg: TrainConfig, *, engine, reference, allow_changes, train_data: dict, is_main: bool):
     """The checkpoint manager, and the resumed state (None on a fresh run); metrics past the resumed step are dropped."""
     from zcvae.runs.checkpoint import CheckpointManager
 
@@ -240,7 +241,8 @@ def _open_checkpoints(cfg: TrainConfig, *, engine, reference, allow_changes, is_
                                     on_event=fault_injection_from_env())
     if cfg.run.resume is None:
         return checkpoints, None
-    state = checkpoints.load(engine, cfg.run.resume, config=cfg, c_base=reference.c_base, allow_changes=allow_changes)
+    state = checkpoints.load(engine, cfg.run.resume, config=cfg, c_base=reference.c_base, allow_changes=allow_changes,
+                             train_data=train_data)
     start_step = state["step"]
     if start_step > cfg.optimization.max_steps:
         # training nothing and saving the later weights under an earlier step label would corrupt the run
@@ -296,7 +298,7 @@ def _run_loop(cfg: TrainConfig, *, engine, model, data: _RunData, peak_lrs, grou
     final = run_loop(
         engine=engine, objective=objective, settings=settings, num_examples=len(data.train_enc),
         peak_lrs=peak_lrs, group_names=group_names, lr_factor=lambda step: lr_factor_at(cfg, step),
-        start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": cfg, "c_base": reference.c_base},
+        start_step=start_step, checkpoints=checkpoints, checkpoint_state={"config": cfg, "c_base": reference.c_base, "train_data": data.train_data},
         evaluate=run_eval, run_logger=run_logger, signals=signals, cpu_threads=follower,
     )
     final.update(objective.delay_metrics())

@@ -176,6 +176,11 @@ def test_stage_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, raw_tiny
     train_a = [r for r in train_a if r["split"] == "train"]
     assert [r["step"] for r in train_b] == [1, 2, 3, 4]
     assert [r["loss"] for r in train_b] == [r["loss"] for r in train_a]
+    # a resume on another training set is refused, the stage as it was
+    before = {p: p.read_bytes() for p in b.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"training data changed.*trained on 64 examples.*num_train_examples 64 -> 48"):
+        pretrain(stage_config(source, b, resume="auto", num_train_examples=48, **settings))
+    assert {p: p.read_bytes() for p in b.rglob("*") if p.is_file()} == before
 
 
 def test_stage_writes_its_run_state_and_a_rerun_replaces_it(tmp_path, raw_tiny_backbone):

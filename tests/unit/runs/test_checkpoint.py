@@ -2,7 +2,7 @@
 
 Covers: a bitwise resume (parameters, optimizer, RNG, next step), atomic saves (a crash mid-save leaves a
 .tmp directory that ``auto`` skips), keep-last-N, the refusals (aggregation
-mode, c_base fingerprint, engine, latent shape) and corrupt/truncated files named in the error.
+mode, c_base fingerprint, training set, engine, latent shape) and corrupt/truncated files named in the error.
 """
 
 from __future__ import annotations
@@ -188,6 +188,53 @@ def test_resume_refuses_another_c_base(saved):
         manager.load(engine, "auto", config=config(), c_base={**C_BASE, "fingerprint": "zzz"})
     with pytest.raises(ValueError, match="reconstruction_loss_token_aggregation_mode"):
         manager.load(engine, "auto", config=config(), c_base={**C_BASE, "mode": "sum"})
+
+
+def _train_data(examples) -> dict:
+    from zcvae.data.encoding import encoded_fingerprint
+
+    return encoded_fingerprint(examples)
+
+
+ROWS = [EncodedExample(id=f"e{i}", x_ids=(5 + i, 6), y_ids=(7, 8 + i), strategy="s") for i in range(4)]
+
+
+def test_resume_refuses_another_training_set(saved, tmp_path):
+    """A checkpoint records its training set; a resume on other examples is refused, naming the setting that moved,
+    or saying that the file's contents did; the same set, no record in the checkpoint (an older run) or none given
+    by the caller resume as before."""
+    engine, _ = saved
+    manager = CheckpointManager(tmp_path / "checkpoints", keep=1, is_main=True)
+    manager.save(engine, step=1, config=config(num_train_examples=4), c_base=C_BASE, train_data=_train_data(ROWS))
+    fewer = _train_data(ROWS[:2])
+    with pytest.raises(ValueError, match=r"training data changed.*trained on 4 examples.*this run has 2.*num_train_examples 4 -> 2"):
+        manager.load(engine, "auto", config=config(num_train_examples=2), c_base=C_BASE, train_data=fewer)
+    reordered = _train_data([ROWS[1], ROWS[0], *ROWS[2:]])
+    with pytest.raises(ValueError, match=r"training data changed.*the same settings: the data file's contents changed"):
+        manager.load(engine, "auto", config=config(num_train_examples=4), c_base=C_BASE, train_data=reordered)
+    assert manager.load(engine, "auto", config=config(num_train_examples=4), c_base=C_BASE, train_data=_train_data(ROWS))["step"] == 1
+    assert manager.load(engine, "auto", config=config(num_train_examples=4), c_base=C_BASE)["step"] == 1
+
+
+def test_a_checkpoint_without_a_training_set_record_still_resumes(saved):
+    engine, directory = saved
+    manager = CheckpointManager(directory, keep=1, is_main=True)
+    assert manager.load(engine, "auto", config=config(), c_base=C_BASE, train_data=_train_data(ROWS))["step"] == 1
+
+
+def test_the_training_set_fingerprint_reads_ids_tokens_strategies_and_order():
+    base = _train_data(ROWS)
+    assert base == _train_data(list(ROWS)) and base["num_examples"] == 4
+    variants = [
+        [EncodedExample(id="other", x_ids=ROWS[0].x_ids, y_ids=ROWS[0].y_ids, strategy="s"), *ROWS[1:]],
+        [EncodedExample(id="e0", x_ids=(5, 7), y_ids=ROWS[0].y_ids, strategy="s"), *ROWS[1:]],
+        # the same tokens split otherwise between x and y
+        [EncodedExample(id="e0", x_ids=(5,), y_ids=(6, 7, 8), strategy="s"), *ROWS[1:]],
+        [EncodedExample(id="e0", x_ids=ROWS[0].x_ids, y_ids=ROWS[0].y_ids, strategy="t"), *ROWS[1:]],
+        [ROWS[1], ROWS[0], *ROWS[2:]],
+        ROWS[:3],
+    ]
+    assert len({base["fingerprint"], *(_train_data(v)["fingerprint"] for v in variants)}) == len(variants) + 1
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
