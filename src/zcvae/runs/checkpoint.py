@@ -29,7 +29,7 @@ What may change on resume: ``max_steps``, logging and evaluation settings, the w
 local and FSDP2 engines (DDP replicas hold full state; DCP reshards). What is refused, with a ValueError
 naming both values: a changed ``reconstruction_loss_token_aggregation_mode``, ``reconstruction_loss_sum_scale``
 or c_base fingerprint (the objective would silently change), another training set (the fingerprint of the encoded
-training examples, naming the settings that moved), a different engine, a DeepSpeed world size change (ZeRO partitions
+training examples, naming the settings that moved), another seed (the batches' permutation), a different engine, a DeepSpeed world size change (ZeRO partitions
 do not reshard), and a changed latent or LoRA shape.
 
 Events: ``CheckpointManager(on_event=f)`` calls ``f("files_written", step)`` after every rank wrote
@@ -90,7 +90,7 @@ STRUCTURAL_FIELDS = (
 )
 # Fields that decide the training examples (a built-in task draws them from the seed): named when a resume finds
 # another training set than its checkpoint's (check_same_train_data).
-TRAIN_DATA_FIELDS = ("task", "train_data", "num_train_examples", "max_length", "seed")
+TRAIN_DATA_FIELDS = ("task", "train_data", "num_train_examples", "max_length")
 # Fields that change the objective or what the model computes without changing any shape: a resume may
 # change one only when asked (--resume-allow-change FIELD), and the change is recorded with its step.
 OBJECTIVE_FIELDS = (
@@ -570,6 +570,11 @@ def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: di
         if name in saved_cfg and name in config and saved_cfg[name] != config[name]:
             raise ValueError(f"{name} changed: {where} has {saved_cfg[name]!r}, this run {config[name]!r}; the trained parameters do not fit. "
                              f"Resume with --{name.replace('_', '-')} {saved_cfg[name]} or start a new run.")
+    if "seed" in saved_cfg and "seed" in config and saved_cfg["seed"] != config["seed"]:
+        # the sampler is a pure function of (seed, step): another seed deals other batches from the resumed step on
+        raise ValueError(f"seed changed: {where} has {saved_cfg['seed']!r}, this run {config['seed']!r}; the batches from here on "
+                         f"would follow another permutation while run_config.json claims seed {config['seed']!r} for every step. "
+                         f"Resume with --seed {saved_cfg['seed']} or start a new run.")
     changes = objective_changes(saved_cfg, config, allow_changes=allow_changes, where=where, step=int(meta.get("step", 0)))
     # before c_base: other data changes c_base's fingerprint too where validation changes with it (a built-in task's
     # seed or size), and blaming "the backbone or the validation data" would hide which setting moved

@@ -170,6 +170,7 @@ def test_crash_mid_save_leaves_the_previous_checkpoint(saved, tmp_path, crash_at
         (dict(reconstruction_loss_token_aggregation_mode="sum"), r"reconstruction_loss_token_aggregation_mode.*'mean'.*'sum'"),
         (dict(engine="fsdp2"), r"engine 'local'.*engine 'fsdp2'"),
         (dict(num_latents=3), r"num_latents changed.*2.*3"),
+        (dict(seed=5), r"seed changed.*0.*5.*--seed 0"),
         # the fixed sum scale C changes the objective while c_base's record (per sequence) stays the same
         (dict(reconstruction_loss_sum_scale=16.0), r"reconstruction_loss_sum_scale changed.*None.*16"),
     ],
