@@ -29,8 +29,8 @@ What may change on resume: ``max_steps``, logging and evaluation settings, the w
 local and FSDP2 engines (DDP replicas hold full state; DCP reshards). What is refused, with a ValueError
 naming both values: a changed ``reconstruction_loss_token_aggregation_mode``, ``reconstruction_loss_sum_scale``
 or c_base fingerprint (the objective would silently change), another training set (the fingerprint of the encoded
-training examples, naming the settings that moved), another seed (the batches' permutation), a different engine, a DeepSpeed world size change (ZeRO partitions
-do not reshard), and a changed latent or LoRA shape.
+training examples, naming the settings that moved), another seed (the batches' permutation), a different engine, a
+DeepSpeed world size change (ZeRO partitions do not reshard), and a changed latent or LoRA shape.
 
 Events: ``CheckpointManager(on_event=f)`` calls ``f("files_written", step)`` after every rank wrote
 the files of a checkpoint but before ``COMPLETE``, and ``f("complete", step)`` once it is in place. The
@@ -88,8 +88,8 @@ STRUCTURAL_FIELDS = (
     "lora_alpha",
     "lora_target_modules",
 )
-# Fields that decide the training examples (a built-in task draws them from the seed): named when a resume finds
-# another training set than its checkpoint's (check_same_train_data).
+# Fields that decide the training examples: named when a resume finds another training set than its checkpoint's
+# (check_same_train_data).
 TRAIN_DATA_FIELDS = ("task", "train_data", "num_train_examples", "max_length")
 # Fields that change the objective or what the model computes without changing any shape: a resume may
 # change one only when asked (--resume-allow-change FIELD), and the change is recorded with its step.
@@ -576,8 +576,8 @@ def check_compatible(meta: dict[str, Any], *, config: dict[str, Any], c_base: di
                          f"would follow another permutation while run_config.json claims seed {config['seed']!r} for every step. "
                          f"Resume with --seed {saved_cfg['seed']} or start a new run.")
     changes = objective_changes(saved_cfg, config, allow_changes=allow_changes, where=where, step=int(meta.get("step", 0)))
-    # before c_base: other data changes c_base's fingerprint too where validation changes with it (a built-in task's
-    # seed or size), and blaming "the backbone or the validation data" would hide which setting moved
+    # before c_base: another task changes c_base's fingerprint too (its validation split changes with it), and
+    # blaming "the backbone or the validation data" would hide which setting moved
     check_same_train_data(meta.get("train_data"), train_data, saved_cfg=saved_cfg, config=config, where=where)
     saved_cb = meta.get("c_base")
     if saved_cb and c_base:
